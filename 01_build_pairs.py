@@ -1,0 +1,106 @@
+"""Stage 01: source rows -> (premise, winner, loser) pairs, split by premise, balanced for length.
+
+    python 01_build_pairs.py --config configs/smol/01_build_pairs.yaml --task cmv --data data/cmv/cmv_pairs.jsonl.gz
+
+Writes train.jsonl, dev.jsonl, test.jsonl and metrics.json (n_input_rows, n_pairs per split,
+dropped by reason, length_only_accuracy per split). Every input row is accounted for:
+sum(n_pairs) + sum(dropped) == n_input_rows.
+
+Bad-row policy: a row that is not valid JSON or whose fields have the wrong type stops the stage
+with an error naming the file, line and field (fix the file), unless --skip_bad_rows true, which
+skips it and counts it under dropped["bad_row"]. Rows that are well-formed but unusable (no
+premise, deleted reply, ...) are always dropped and counted by reason.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from common.config import RunArgs, parse_config
+from common.data import (DataError, balance_by_length, length_only_accuracy, read_jsonl,
+                         split_by_group, write_jsonl)
+from common.runs import Run
+from common.tasks import get_task
+
+log = logging.getLogger("pipeline")
+SPLITS = ("train", "dev", "test")
+
+
+@dataclass
+class PairsConfig(RunArgs):
+    task: str = "cmv"
+    data: list[str] = field(default_factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
+    premise_words: int = 470
+    dev_fraction: float = 0.1
+    test_fraction: float = 0.1
+    length_balance: bool = True  # match winner-longer and winner-shorter pairs (see balance_by_length)
+    skip_bad_rows: bool = False
+
+
+def main(config: PairsConfig, overrides: dict) -> None:
+    # 1. Seed, run directory, inputs recorded with their digests.
+    random.seed(config.seed)
+    run = Run("Pairs", config, overrides)
+    task = get_task(config.task)
+    for i, path in enumerate(config.data):
+        run.add_input_file(f"data[{i}]", path)
+    run.manifest["task"] = task.NAME
+    run.save_manifest()
+    run.start_tracking()
+
+    # 2. Rows -> pairs, every row either kept or counted under a drop reason.
+    n_rows, dropped, pairs, seen = 0, Counter(), [], set()
+    for path in config.data:
+        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):
+            n_rows += 1
+            if row is None:  # not valid JSON, skipped by --skip_bad_rows
+                dropped["bad_row"] += 1
+                continue
+            try:
+                pair = task.to_pair(row, where, config.premise_words)
+            except DataError:
+                if not config.skip_bad_rows:
+                    raise
+                dropped["bad_row"] += 1
+                continue
+            if isinstance(pair, str):
+                dropped[pair] += 1
+            elif pair["id"] in seen:
+                dropped["duplicate_pair"] += 1
+            else:
+                seen.add(pair["id"])
+                pairs.append(pair)
+    log.info("%d rows -> %d usable pairs", n_rows, len(pairs))
+
+    # 3. Split by premise (group), then balance each split so reply length cannot pick the winner.
+    splits = split_by_group(pairs, {"train": 1 - config.dev_fraction - config.test_fraction,
+                                    "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
+    length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()}
+    if config.length_balance:
+        for name in SPLITS:
+            splits[name], removed = balance_by_length(splits[name], config.seed)
+            dropped["length_balance"] += len(removed)
+
+    # 4. Write the splits and the accounting.
+    for name in SPLITS:
+        write_jsonl(run.dir / f"{name}.jsonl", splits[name])
+    metrics = {
+        "task": task.NAME,
+        "n_input_rows": n_rows,
+        "n_pairs": {name: len(splits[name]) for name in SPLITS},
+        "n_groups": {name: len({p["group_id"] for p in splits[name]}) for name in SPLITS},
+        "dropped": dict(sorted(dropped.items())),
+        "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS},
+        "length_only_accuracy_before_balancing": length_before,
+    }
+    accounted = sum(metrics["n_pairs"].values()) + sum(dropped.values())
+    assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
+    log.info("pairs per split %s, dropped %s, length-only accuracy %s",
+             metrics["n_pairs"], metrics["dropped"], metrics["length_only_accuracy"])
+    run.finish(metrics)
+
+
+if __name__ == "__main__":
+    main(*parse_config(PairsConfig))

@@ -1,0 +1,157 @@
+"""Reading and writing pair files, splitting by group, length balancing, fitting token budgets."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+from bisect import bisect_left
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """Malformed input: the message names the file, the line and the field."""
+
+
+def read_jsonl(path: str | Path, skip_invalid: bool = False):
+    """Yield (where, row) for each non-empty line; `where` is "file:line" for error messages.
+    A line that is not valid JSON raises DataError, or yields (where, None) with skip_invalid."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as err:
+                if skip_invalid:
+                    yield where, None
+                    continue
+                raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+
+
+def write_jsonl(path: Path, rows) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def load_split(pairs_run: str | Path, split: str) -> list[dict]:
+    return [row for _, row in read_jsonl(Path(pairs_run) / f"{split}.jsonl")]
+
+
+def split_by_group(pairs: list[dict], fractions: dict[str, float], seed: int) -> dict[str, list[dict]]:
+    """Assign whole groups (original posts, papers) to splits, so no premise is in two splits.
+    Every split but the first gets at least one group when there are enough groups."""
+    groups = sorted({p["group_id"] for p in pairs})
+    random.Random(seed).shuffle(groups)
+    names = list(fractions)
+    counts = {name: round(fractions[name] * len(groups)) for name in names[1:]}
+    if len(groups) >= len(names):
+        counts = {name: max(1, n) for name, n in counts.items()}
+    assignment, start = {}, 0
+    for name in names[1:]:
+        for g in groups[start:start + counts[name]]:
+            assignment[g] = name
+        start += counts[name]
+    for g in groups[start:]:
+        assignment[g] = names[0]
+    out = {name: [] for name in names}
+    for p in pairs:
+        out[assignment[p["group_id"]]].append(p)
+    return out
+
+
+def n_words(text: str) -> int:
+    return len(text.split())
+
+
+def length_only_accuracy(pairs: list[dict]) -> float | None:
+    """Share of pairs a length-only judge gets right: the winner is the longer reply (ties: half)."""
+    if not pairs:
+        return None
+    score = sum(1.0 if n_words(p["chosen"]) > n_words(p["rejected"]) else
+                0.5 if n_words(p["chosen"]) == n_words(p["rejected"]) else 0.0 for p in pairs)
+    return score / len(pairs)
+
+
+def balance_by_length(pairs: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
+    """Keep every pair of the rarer kind (winner longer, or winner shorter) and, for each, the pair of
+    the other kind whose length ratio is closest. The winner is then the longer reply in exactly half
+    of the kept pairs, and the size of the length gap carries no signal either: its distribution is
+    the same for both kinds. Ties in length are kept (they tell a length judge nothing).
+    Returns (kept, dropped)."""
+    def log_ratio(p):
+        return abs(math.log((n_words(p["chosen"]) + 1) / (n_words(p["rejected"]) + 1)))
+
+    longer = [p for p in pairs if n_words(p["chosen"]) > n_words(p["rejected"])]
+    shorter = [p for p in pairs if n_words(p["chosen"]) < n_words(p["rejected"])]
+    ties = [p for p in pairs if n_words(p["chosen"]) == n_words(p["rejected"])]
+    minority, majority = sorted((longer, shorter), key=len)
+    rng = random.Random(seed)
+    rng.shuffle(majority)  # equal ratios are then broken at random, not by file order
+    pool = sorted(majority, key=log_ratio)
+    keys = [log_ratio(p) for p in pool]
+    matched = []
+    for p in sorted(minority, key=log_ratio):
+        r = log_ratio(p)
+        i = bisect_left(keys, r)
+        best = min((j for j in (i - 1, i) if 0 <= j < len(pool)), key=lambda j: abs(keys[j] - r))
+        matched.append(pool.pop(best))
+        keys.pop(best)
+    kept_ids = {id(p) for p in minority + matched + ties}
+    kept = [p for p in pairs if id(p) in kept_ids]  # input order, for reproducible files
+    dropped = [p for p in pairs if id(p) not in kept_ids]
+    return kept, dropped
+
+
+# --- token budgets -------------------------------------------------------------------------------
+
+def _template_overheads(tokenizer, prompt_messages):
+    """Tokens the chat template adds around the user content and after the reply."""
+    empty = [{"role": m["role"], "content": ""} for m in prompt_messages]
+    prompt_ids = tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=True)
+    full_ids = tokenizer.apply_chat_template(empty + [{"role": "assistant", "content": "x"}], tokenize=True)
+    return len(_ids(prompt_ids)), len(_ids(full_ids)) - len(_ids(prompt_ids)) - 1
+
+
+def _ids(encoded):
+    return encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+
+
+def truncate_tokens(tokenizer, text: str, n: int, sentence_boundary: bool = False) -> str:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= n:
+        return text
+    cut = tokenizer.decode(ids[:max(n, 0)], skip_special_tokens=True)
+    if sentence_boundary:
+        # End on a finished sentence when one ends in the last third: a cleaner training target.
+        ends = [cut.rfind(mark) for mark in (". ", "? ", "! ", "\n")]
+        end = max(ends)
+        if end >= len(cut) * 2 // 3:
+            cut = cut[:end + 1]
+    return cut.rstrip()
+
+
+def fit_prompt(tokenizer, prompt_messages: list[dict], max_prompt_tokens: int) -> list[dict]:
+    """Cut the last (user) message so the templated prompt fits `max_prompt_tokens`."""
+    overhead, _ = _template_overheads(tokenizer, prompt_messages)
+    *head, last = prompt_messages
+    budget = max_prompt_tokens - overhead - sum(
+        len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in head)
+    return head + [{**last, "content": truncate_tokens(tokenizer, last["content"], budget)}]
+
+
+def prompt_length(tokenizer, prompt_messages: list[dict]) -> int:
+    return len(_ids(tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True)))
+
+
+def fit_reply(tokenizer, prompt_messages: list[dict], reply: str, max_length: int) -> str:
+    """Cut the reply (at a sentence end where possible) so prompt + reply fit `max_length`."""
+    _, closing = _template_overheads(tokenizer, prompt_messages)
+    budget = max_length - prompt_length(tokenizer, prompt_messages) - closing - 1
+    return truncate_tokens(tokenizer, reply, budget, sentence_boundary=True)

@@ -1,0 +1,126 @@
+"""The one loader: a 4-bit NF4 (double-quant, bf16 compute) base with rank-64 rsLoRA.
+
+Every stage calls `load_model`: the causal LM (SFT, GRPO, eval) or the sequence-classification
+variant (reward model, one-number `score` head trained and saved with the adapter). The same code
+path runs for the tiny test model, the SmolLM2 demo and Llama 3 8B.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          BitsAndBytesConfig)
+from transformers.utils import cached_file
+
+from common.config import ModelArgs
+
+log = logging.getLogger(__name__)
+
+CAUSAL_LM, SEQ_CLS = "causal_lm", "seq_cls"
+QUANTIZATION = {"quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"}
+
+
+def bnb_config() -> BitsAndBytesConfig:
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=QUANTIZATION["quant_type"],
+                              bnb_4bit_use_double_quant=QUANTIZATION["double_quant"],
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def local_device():
+    """This process's device: its own GPU under `accelerate launch` (LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return int(os.environ.get("LOCAL_RANK", 0))
+    return "cpu"
+
+
+def lora_config(args: ModelArgs, kind: str) -> LoraConfig:
+    # For SEQ_CLS, peft adds the `score` head to modules_to_save: it is trained and saved with the adapter.
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      use_rslora=True, target_modules=list(args.lora_target_modules),
+                      task_type="SEQ_CLS" if kind == SEQ_CLS else "CAUSAL_LM")
+
+
+def load_tokenizer(args: ModelArgs):
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tokenizer.pad_token is None:
+        # Llama 3 ships no pad token; a reserved special token keeps pad distinct from end-of-turn.
+        reserved = "<|reserved_special_token_0|>"
+        tokenizer.pad_token = reserved if reserved in tokenizer.get_vocab() else tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | None = None,
+               trainable: bool = True, tokenizer=None):
+    """The 4-bit base plus LoRA: a fresh adapter, or the saved one in `adapter` (with its head)."""
+    cls = AutoModelForSequenceClassification if kind == SEQ_CLS else AutoModelForCausalLM
+    extra = {"num_labels": 1} if kind == SEQ_CLS else {}
+    # bf16 for the non-quantised parts: the trainer's bf16 cast of the score head fails on fp32 parts.
+    base = cls.from_pretrained(args.model_name_or_path, quantization_config=bnb_config(),
+                               dtype=torch.bfloat16, device_map={"": local_device()},
+                               attn_implementation=args.attn_implementation, **extra)
+    _disable_cpu_inference_repack(base)
+    if kind == SEQ_CLS:
+        tokenizer = tokenizer or load_tokenizer(args)
+        base.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
+    if adapter is None:
+        model = get_peft_model(base, lora_config(args, kind))
+    else:
+        # autocast_adapter_dtype=False: re-casting a bf16-trained adapter to fp32 moves reward scores.
+        model = PeftModel.from_pretrained(base, str(adapter), is_trainable=trainable,
+                                          autocast_adapter_dtype=False)
+    if not trainable:
+        model.eval()
+    return model
+
+
+def _disable_cpu_inference_repack(model) -> None:
+    """bnb 0.50.2 on AVX512-BF16 CPUs repacks 4-bit weights for an inference kernel without autograd
+    at the first no-grad forward; later backward passes then silently lose gradient. Turn it off."""
+    import bitsandbytes as bnb
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _weights_digest(name_or_path: str) -> str:
+    """A digest of the weight index (sharded) or of the safetensors header (single file): names,
+    shapes and byte offsets of every tensor, without reading gigabytes of weights."""
+    index = cached_file(name_or_path, "model.safetensors.index.json",
+                        _raise_exceptions_for_missing_entries=False)
+    if index:
+        return hashlib.sha256(Path(index).read_bytes()).hexdigest()
+    weights = cached_file(name_or_path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+    if not weights:
+        raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) found")
+    with open(weights, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        return hashlib.sha256(f.read(header_len)).hexdigest()
+
+
+def fingerprint(args: ModelArgs) -> dict:
+    """What identifies the base: name or path, config and weight-index digests, quantisation, LoRA."""
+    config = json.loads(Path(cached_file(args.model_name_or_path, "config.json")).read_text())
+    config.pop("transformers_version", None)
+    return {
+        "model": args.model_name_or_path,
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
+        "weights_sha256": _weights_digest(args.model_name_or_path),
+        "quantization": dict(QUANTIZATION),
+        "lora_r": args.lora_r,
+        "lora_alpha": args.lora_alpha,
+        "lora_rslora": True,
+        "lora_target_modules": sorted(args.lora_target_modules),
+    }
+
+
+def precision_flags() -> dict:
+    """bf16 mixed precision on GPUs; on the CPU the trainer must not autocast (TRL defaults bf16=True)."""
+    on_gpu = torch.cuda.is_available()
+    return {"bf16": on_gpu, "use_cpu": not on_gpu}

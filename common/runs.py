@@ -1,0 +1,269 @@
+"""Run directories: dated, numbered, created atomically, never overwritten.
+
+A run directory holds `config.yaml` (written first), `manifest.json`, `run.log`, `metrics.json`,
+the artifacts, and `DONE` (written last). Later stages accept only inputs that have `DONE`, and only
+inputs built on the same base model (the base lock).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from common.config import to_dict
+
+log = logging.getLogger("pipeline")
+
+PACKAGES = ["torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate",
+            "sacrebleu", "rouge-score", "wandb"]
+
+
+class RunError(RuntimeError):
+    pass
+
+
+def run_dir_name(stage: str, n: int, today: datetime.date | None = None) -> str:
+    today = today or datetime.date.today()
+    return f"{today.strftime('%b')}{today.day:02d}_{stage}_Run{n}"
+
+
+def create_run_dir(runs_dir: str | Path, stage: str, run_name: str | None = None) -> Path:
+    """Create a new run directory with a plain mkdir: two runs can never share one."""
+    runs_dir = Path(runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if run_name is not None:
+        path = runs_dir / run_name
+        try:
+            path.mkdir()
+        except FileExistsError:
+            raise RunError(f"run directory {path} already exists; runs are never overwritten "
+                           f"(pick another --run_name, or --resume it if it is unfinished)") from None
+        return path
+    prefix = run_dir_name(stage, 0)[: -1]  # "Nov30_SFT_Run"
+    taken = [int(m.group(1)) for p in runs_dir.iterdir()
+             if (m := re.fullmatch(re.escape(prefix) + r"(\d+)", p.name))]
+    n = max(taken, default=0) + 1
+    while True:  # another process may take the same number between listing and mkdir
+        path = runs_dir / f"{prefix}{n}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_run(run_dir: Path) -> str:
+    """One digest over a finished run's artifacts (names and contents), logs and trackers excluded."""
+    digest = hashlib.sha256()
+    for path in sorted(run_dir.rglob("*")):
+        rel = path.relative_to(run_dir)
+        if not path.is_file() or rel.parts[0] in ("wandb", "checkpoints") or path.name == "run.log":
+            continue
+        digest.update(str(rel).encode() + b"\0" + sha256_file(path).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def _git_state() -> dict:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
+                                    text=True, check=True).stdout.strip())
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _gpu() -> str | None:
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+class Run:
+    """The run directory of one stage invocation, from its config to its DONE marker."""
+
+    def __init__(self, stage: str, config, overrides: dict, argv: list[str] | None = None):
+        self.stage = stage
+        self.config = config
+        if config.resume:
+            self.dir = Path(config.resume)
+            if not (self.dir / "config.yaml").is_file():
+                raise RunError(f"--resume {self.dir}: not a run directory (no config.yaml)")
+            if (self.dir / "DONE").exists():
+                raise RunError(f"--resume {self.dir}: that run is finished (DONE); a finished run is never modified")
+            self.manifest = read_json(self.dir / "manifest.json")
+            self.manifest.setdefault("resumed", []).append(
+                {"argv": list(sys.argv if argv is None else argv), "at": _now(),
+                 "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+        else:
+            self.dir = create_run_dir(config.runs_dir, stage, config.run_name)
+            (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            self.manifest = {
+                "stage": stage,
+                "run_name": self.dir.name,
+                "argv": list(sys.argv if argv is None else argv),
+                "overrides": overrides,
+                "created": _now(),
+                "git": _git_state(),
+                "seed": config.seed,
+                "packages": _versions(),
+                "host": socket.gethostname(),
+                "gpu": _gpu(),
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "wandb_run_id": None,
+                "wandb_group": config.wandb_group,
+                "inputs": {},
+                "base": None,
+            }
+        self._attach_log()
+        self.save_manifest()
+        log.info("run directory %s", self.dir)
+
+    def _attach_log(self) -> None:
+        handler = logging.FileHandler(self.dir / "run.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.setLevel(logging.INFO)
+        root.addHandler(handler)
+        if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                   for h in root.handlers):
+            stream = logging.StreamHandler()
+            stream.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+            root.addHandler(stream)
+        self._handler = handler
+
+    def save_manifest(self) -> None:
+        write_json(self.dir / "manifest.json", self.manifest)
+
+    def add_input(self, name: str, run_dir: Path) -> dict:
+        """Record an input run (path and digest) and return its manifest. Refuses unfinished runs."""
+        manifest = require_done(run_dir)
+        self.manifest["inputs"][name] = {"path": str(Path(run_dir).resolve()), "sha256": sha256_run(Path(run_dir)),
+                                         "stage": manifest.get("stage")}
+        if self.manifest.get("wandb_group") is None and manifest.get("wandb_group"):
+            self.manifest["wandb_group"] = manifest["wandb_group"]
+        self.save_manifest()
+        return manifest
+
+    def add_input_file(self, name: str, path: Path) -> None:
+        self.manifest["inputs"][name] = {"path": str(Path(path).resolve()), "sha256": sha256_file(Path(path))}
+        self.save_manifest()
+
+    def lock_base(self, fingerprint: dict, input_manifests: dict[str, dict]) -> None:
+        """The base lock: every input must have been built on exactly this base."""
+        for name, manifest in input_manifests.items():
+            theirs = manifest.get("base")
+            if theirs is None:
+                continue  # pairs runs use no model
+            for key in sorted(set(fingerprint) | set(theirs)):
+                if fingerprint.get(key) != theirs.get(key):
+                    raise RunError(
+                        f"base mismatch with input '{name}' ({manifest.get('run_name')}): field '{key}' is "
+                        f"{fingerprint.get(key)!r} here but {theirs.get(key)!r} there. "
+                        f"Every stage must start from the same base model and LoRA settings.")
+        self.manifest["base"] = fingerprint
+        self.save_manifest()
+
+    def start_tracking(self) -> None:
+        """W&B: online with WANDB_API_KEY, else offline inside the run directory."""
+        if self.config.report_to != "wandb":
+            return
+        import wandb
+        if not os.environ.get("WANDB_API_KEY"):
+            os.environ["WANDB_MODE"] = "offline"
+        os.environ["WANDB_DIR"] = str(self.dir)
+        os.environ.setdefault("WANDB_CACHE_DIR", str(self.dir / "wandb" / "cache"))
+        os.environ.setdefault("WANDB_SILENT", "true")
+        (self.dir / "wandb").mkdir(exist_ok=True)
+        resume_id = self.manifest.get("wandb_run_id")
+        wb = wandb.init(project=self.config.wandb_project, name=self.dir.name, dir=str(self.dir),
+                        group=self.manifest.get("wandb_group") or self.dir.name, job_type=self.stage,
+                        config=to_dict(self.config), id=resume_id, resume="allow" if resume_id else None)
+        self.manifest["wandb_run_id"] = wb.id
+        self.save_manifest()
+
+    def log_metrics(self, metrics: dict) -> None:
+        if self.config.report_to == "wandb":
+            import wandb
+            if wandb.run is not None:
+                wandb.run.summary.update({k: v for k, v in _flatten(metrics).items()})
+
+    def finish(self, metrics: dict) -> None:
+        """Write metrics.json, close the tracker, then DONE (last, so a crash never leaves a DONE)."""
+        write_json(self.dir / "metrics.json", metrics)
+        self.log_metrics(metrics)
+        if self.config.report_to == "wandb":
+            import wandb
+            if wandb.run is not None:
+                wandb.finish()
+        self.manifest["finished"] = _now()
+        self.save_manifest()
+        (self.dir / "DONE").write_text(_now() + "\n")
+        log.info("done: %s", self.dir)
+        logging.getLogger().removeHandler(self._handler)
+        self._handler.close()
+
+
+def require_done(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"input run {run_dir} does not exist")
+    if not (run_dir / "DONE").exists():
+        raise RunError(f"input run {run_dir} has no DONE marker: it is unfinished or failed")
+    return read_json(run_dir / "manifest.json")
+
+
+def _flatten(metrics: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
