@@ -23,6 +23,8 @@ CMV_SAMPLE = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
 
 LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                   "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Meta-Llama-3-8B-Instruct's chat template, verbatim.
 LLAMA3_CHAT_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -45,11 +47,14 @@ def _sample_texts(limit: int = 600):
 
 def build_tiny(out: Path, seed: int = 0) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Llama 3's own pre-tokenizer: its split pattern, then byte-level without a regex of its own.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(_sample_texts(), trainers.BpeTrainer(
         vocab_size=2048, special_tokens=LLAMA3_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))

@@ -57,7 +57,7 @@ def load_tokenizer(args: ModelArgs):
 
 
 def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | None = None,
-               trainable: bool = True, tokenizer=None):
+               trainable: bool = True, tokenizer=None, adapter_name: str = "default"):
     """The 4-bit base plus LoRA: a fresh adapter, or the saved one in `adapter` (with its head)."""
     cls = AutoModelForSequenceClassification if kind == SEQ_CLS else AutoModelForCausalLM
     extra = {"num_labels": 1} if kind == SEQ_CLS else {}
@@ -73,8 +73,8 @@ def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | Non
         model = get_peft_model(base, lora_config(args, kind))
     else:
         # autocast_adapter_dtype=False: re-casting a bf16-trained adapter to fp32 moves reward scores.
-        model = PeftModel.from_pretrained(base, str(adapter), is_trainable=trainable,
-                                          autocast_adapter_dtype=False)
+        model = PeftModel.from_pretrained(base, str(adapter), adapter_name=adapter_name,
+                                          is_trainable=trainable, autocast_adapter_dtype=False)
     if not trainable:
         model.eval()
     return model

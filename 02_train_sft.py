@@ -1,0 +1,85 @@
+"""Stage 02: supervised fine-tuning of the 4-bit base + rsLoRA on the winning replies.
+
+    python 02_train_sft.py --config configs/smol/02_train_sft.yaml --pairs_run runs/Nov30_Pairs_Run1
+
+Prompt/completion data: TRL masks the prompt, so the loss is on the reply only. Each example is cut
+to fit `max_length` here (premise to `max_prompt_tokens`, reply at a sentence end), rather than
+letting the trainer cut the reply off blindly. Writes the adapter (adapter/) and metrics.json.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from datasets import Dataset
+from transformers import set_seed
+from trl import SFTConfig, SFTTrainer
+
+from common.config import ModelArgs, RunArgs, TrainArgs, parse_config
+from common.data import fit_prompt, fit_reply, load_split
+from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.runs import Run, RunError
+from common.training import save_adapter, train, trainer_args
+
+log = logging.getLogger("pipeline")
+
+
+@dataclass
+class SFTStageConfig(RunArgs, ModelArgs, TrainArgs):
+    pairs_run: str | None = None
+    max_prompt_tokens: int = 512
+    max_length: int = 768
+    max_eval_examples: int = 64
+
+
+def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig) -> Dataset:
+    """Winners as conversational prompt/completion examples that fit the token budget."""
+    examples = []
+    for row in rows:
+        prompt = fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)
+        reply = fit_reply(tokenizer, prompt, row["chosen"], config.max_length)
+        examples.append({"prompt": prompt, "completion": [{"role": "assistant", "content": reply}]})
+    return Dataset.from_list(examples)
+
+
+def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev_rows) -> SFTTrainer:
+    args = trainer_args(SFTConfig, config, run, max_length=config.max_length,
+                        completion_only_loss=True, per_device_eval_batch_size=config.per_device_train_batch_size)
+    return SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                      train_dataset=sft_dataset(train_rows, tokenizer, config),
+                      eval_dataset=sft_dataset(dev_rows, tokenizer, config) if dev_rows else None)
+
+
+def main(config: SFTStageConfig, overrides: dict) -> None:
+    # 1. Seed and run directory; the pairs run must be finished.
+    set_seed(config.seed)
+    if not config.pairs_run:
+        raise RunError("--pairs_run is required (a finished 01_build_pairs run directory)")
+    run = Run("SFT", config, overrides)
+    pairs = run.add_input("pairs_run", config.pairs_run)
+
+    # 2. The base lock: record which base this adapter belongs to.
+    run.lock_base(fingerprint(config), {"pairs_run": pairs})
+    run.start_tracking()
+
+    # 3. Data: the winners of the train split (dev for a held-out loss).
+    train_rows = load_split(config.pairs_run, "train")[: config.max_train_examples]
+    dev_rows = load_split(config.pairs_run, "dev")[: config.max_eval_examples]
+    log.info("SFT on %d winners, dev loss on %d", len(train_rows), len(dev_rows))
+
+    # 4. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.
+    tokenizer = load_tokenizer(config)
+    model = load_model(config, CAUSAL_LM, tokenizer=tokenizer)
+    trainer = build_trainer(config, run, model, tokenizer, train_rows, dev_rows)
+
+    # 5. Train (from the last checkpoint of this run if it was interrupted), evaluate, save.
+    metrics = train(trainer, run)
+    if dev_rows:
+        metrics["dev"] = trainer.evaluate()
+    save_adapter(model, tokenizer, run)
+    metrics.update(n_train_examples=len(train_rows), n_dev_examples=len(dev_rows))
+    run.finish(metrics)
+
+
+if __name__ == "__main__":
+    main(*parse_config(SFTStageConfig))

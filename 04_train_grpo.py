@@ -1,0 +1,94 @@
+"""Stage 04: GRPO: the SFT writer practises against the stage-03 judge.
+
+    python 04_train_grpo.py --config configs/smol/04_train_grpo.yaml \
+        --sft_run runs/Nov30_SFT_Run1 --reward_run runs/Nov30_Reward_Run1
+
+Starts from the SFT adapter (trained further; the 4-bit base stays frozen). For each premise the
+policy writes `num_generations` replies; the reward model (4-bit base + its adapter and head) scores
+them, and GRPO pushes up the replies that beat their group's mean. Logs the mean reward and mean
+reply length of every step to metrics.json (and W&B). Writes the adapter (adapter/).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from datasets import Dataset
+from transformers import set_seed
+from trl import GRPOConfig, GRPOTrainer
+
+from common.config import ModelArgs, RunArgs, TrainArgs, parse_config
+from common.data import fit_prompt, load_split
+from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.rewards import RewardScorer
+from common.runs import Run, RunError
+from common.training import save_adapter, train, trainer_args
+
+log = logging.getLogger("pipeline")
+
+
+@dataclass
+class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
+    sft_run: str | None = None
+    reward_run: str | None = None
+    max_prompts: int = 1000
+    max_prompt_tokens: int = 512
+    max_completion_length: int = 256
+    num_generations: int = 4
+    temperature: float = 1.0
+    beta: float = 0.0
+    reward_batch_size: int = 16
+
+
+def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Dataset:
+    """One prompt per premise of the train split (a premise with several pairs is used once)."""
+    seen, prompts = set(), []
+    for row in load_split(pairs_run, "train"):
+        if row["group_id"] not in seen:
+            seen.add(row["group_id"])
+            prompts.append({"prompt": fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)})
+    return Dataset.from_list(prompts[: config.max_prompts])
+
+
+def main(config: GRPOStageConfig, overrides: dict) -> None:
+    # 1. Seed and run directory; both inputs finished and built on this base.
+    set_seed(config.seed)
+    if not (config.sft_run and config.reward_run):
+        raise RunError("--sft_run and --reward_run are both required (finished stage 02 and 03 runs)")
+    run = Run("GRPO", config, overrides)
+    sft = run.add_input("sft_run", config.sft_run)
+    reward = run.add_input("reward_run", config.reward_run)
+    run.lock_base(fingerprint(config), {"sft_run": sft, "reward_run": reward})
+    run.start_tracking()
+
+    # 2. Prompts: the premises the SFT model was trained on (its pairs run).
+    pairs_run = sft["inputs"]["pairs_run"]["path"]
+    tokenizer = load_tokenizer(config)
+    tokenizer.padding_side = "left"  # generation pads on the left
+    prompts = prompt_dataset(pairs_run, tokenizer, config)
+    log.info("GRPO on %d premises x %d replies", len(prompts), config.num_generations)
+
+    # 3. Models: the policy continues the SFT adapter; the judge is frozen.
+    policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter", trainable=True)
+    judge = RewardScorer.from_run(config.reward_run, config, batch_size=config.reward_batch_size)
+
+    # 4. GRPO (beta=0: no reference model; DAPO loss, group-scaled rewards: TRL's defaults).
+    args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
+                        max_completion_length=config.max_completion_length,
+                        temperature=config.temperature, beta=config.beta, log_completions=False)
+    trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
+                          processing_class=tokenizer)
+
+    # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.
+    metrics = train(trainer, run)
+    save_adapter(policy, tokenizer, run)
+    metrics["per_step"] = [{"step": h["step"], "reward_mean": h.get("reward"),
+                            "reply_length_mean": h.get("completions/mean_length")}
+                           for h in metrics["log_history"] if "reward" in h]
+    metrics["n_prompts"] = len(prompts)
+    run.finish(metrics)
+
+
+if __name__ == "__main__":
+    main(*parse_config(GRPOStageConfig))

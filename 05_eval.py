@@ -1,0 +1,114 @@
+"""Stage 05: score held-out premises with the base model and each adapter given.
+
+    python 05_eval.py --config configs/smol/05_eval.yaml --pairs_run runs/Nov30_Pairs_Run1 \
+        --reward_run runs/Nov30_Reward_Run1 --sft_run runs/Nov30_SFT_Run1 --policy_run runs/Nov30_GRPO_Run1
+
+For each premise of the test split (one per original post), every model writes a greedy reply.
+Replies are compared with the winning reply (BLEU, ROUGE-L), scored by the stage-03 judge, and each
+adapter's win rate against the base (judge prefers its reply) comes with a 95% bootstrap interval.
+Writes eval.json, replies.jsonl and a readable report.md with sample replies side by side.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import set_seed
+
+from common.config import ModelArgs, RunArgs, parse_config
+from common.data import fit_prompt, load_split, n_words, write_jsonl
+from common.generation import generate_replies
+from common.metrics import bleu, rouge, win_rate
+from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.report import write_report
+from common.rewards import RewardScorer
+from common.runs import Run, RunError, write_json
+
+log = logging.getLogger("pipeline")
+
+
+@dataclass
+class EvalConfig(RunArgs, ModelArgs):
+    pairs_run: str | None = None
+    reward_run: str | None = None
+    sft_run: str | None = None
+    policy_run: str | None = None
+    split: str = "test"
+    max_premises: int = 100
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    repetition_penalty: float = 1.0
+    n_report_samples: int = 5
+
+
+def main(config: EvalConfig, overrides: dict) -> None:
+    # 1. Seed, run directory, inputs (all finished, all on this base).
+    set_seed(config.seed)
+    if not (config.pairs_run and config.reward_run):
+        raise RunError("--pairs_run and --reward_run are required; --sft_run and --policy_run are optional")
+    run = Run("Eval", config, overrides)
+    inputs = {"pairs_run": run.add_input("pairs_run", config.pairs_run),
+              "reward_run": run.add_input("reward_run", config.reward_run)}
+    adapters = {}  # model name in the report -> adapter folder
+    for key, name in (("sft_run", "sft"), ("policy_run", "grpo")):
+        if getattr(config, key):
+            inputs[key] = run.add_input(key, getattr(config, key))
+            adapters[name] = Path(getattr(config, key)) / "adapter"
+    run.lock_base(fingerprint(config), inputs)
+    run.start_tracking()
+
+    # 2. Held-out premises: one per original post, its (first) winning reply as the reference.
+    tokenizer = load_tokenizer(config)
+    premises, seen = [], set()
+    for row in load_split(config.pairs_run, config.split):
+        if row["group_id"] not in seen:
+            seen.add(row["group_id"])
+            premises.append(row)
+    premises = premises[: config.max_premises]
+    prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
+    references = [r["chosen"] for r in premises]
+    log.info("evaluating %s on %d premises", ["base", *adapters], len(premises))
+
+    # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base.
+    replies = {}
+    names = list(adapters)
+    model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
+                       adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
+    for name in names[1:]:
+        model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
+    gen = dict(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
+               repetition_penalty=config.repetition_penalty)
+    with model.disable_adapter():
+        replies["base"] = generate_replies(model, tokenizer, prompts, **gen)
+    for name in names:
+        model.set_adapter(name)
+        replies[name] = generate_replies(model, tokenizer, prompts, **gen)
+    del model
+
+    # 4. Judge every reply; overlap with the winning reply; win rates against the base.
+    judge = RewardScorer.from_run(config.reward_run, config, batch_size=config.batch_size)
+    rewards = {name: judge.score(prompts, texts) for name, texts in replies.items()}
+    results = {}
+    for name, texts in replies.items():
+        results[name] = {"n": len(texts), "bleu": bleu(texts, references), **rouge(texts, references),
+                         "reward_mean": sum(rewards[name]) / len(texts),
+                         "reply_words_mean": sum(map(n_words, texts)) / len(texts),
+                         **win_rate(rewards[name], rewards["base"], seed=config.seed)}
+        log.info("%s: %s", name, results[name])
+
+    # 5. Write eval.json, every reply with its score, the report; mark done.
+    write_json(run.dir / "eval.json", results)
+    write_jsonl(run.dir / "replies.jsonl", [
+        {"id": p["id"], "premise": p["premise"], "reference": p["chosen"],
+         **{name: {"reply": replies[name][i], "reward": rewards[name][i]} for name in replies}}
+        for i, p in enumerate(premises)])
+    report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
+                          config.n_report_samples)
+    run.finish({"models": results, "n_premises": len(premises), "report": str(report)})
+    print(report.resolve())
+
+
+if __name__ == "__main__":
+    main(*parse_config(EvalConfig))

