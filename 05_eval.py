@@ -107,7 +107,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples)
     run.finish({"models": results, "n_premises": len(premises), "report": str(report)})
-    print(report.resolve())
+    print(f"report: {report.resolve()}")
 
 
 if __name__ == "__main__":

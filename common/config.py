@@ -78,6 +78,11 @@ def _type_ok(value, annotation) -> bool:
 
 
 def _coerce(name: str, value, annotation, where: str):
+    if float in (annotation, *typing.get_args(annotation)) and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not _type_ok(value, annotation):
@@ -89,35 +94,36 @@ def parse_config(cls, argv: list[str] | None = None):
     """Build `cls` from `--config FILE` plus `--field value` overrides.
 
     Returns (config, overrides) where overrides maps each overridden field to its new value.
-    Values on the command line are read as YAML scalars/lists (`--lora_r 16`, `--report_to none`,
-    `--adapters [a, b]`), then type-checked against the dataclass.
+    Values on the command line are read as YAML scalars (`--lora_r 16`, `--learning_rate 1e-4`);
+    a list field takes several words (`--data a.jsonl b.jsonl`); all are type-checked.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict = {}
 
-    pairs = []
+    pairs = []  # (field, raw value) in command-line order; a list field takes every value up to the next --
     i = 0
     while i < len(argv):
         key = argv[i]
         if not key.startswith("--"):
             raise ConfigError(f"command line: expected --field, got {key!r}")
-        key = key[2:].replace("-", "_")
-        if "=" in key:
-            key, raw = key.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"command line: --{key} needs a value")
-            raw = argv[i + 1]
-            i += 2
-        pairs.append((key, raw))
+        key, _, inline = key[2:].replace("-", "_").partition("=")
+        values_end = i + 1
+        while values_end < len(argv) and not argv[values_end].startswith("--"):
+            values_end += 1
+        raws = [inline] if inline else argv[i + 1:values_end]
+        if not raws:
+            raise ConfigError(f"command line: --{key} needs a value")
+        if len(raws) > 1 and not _is_list(hints.get(key)):
+            raise ConfigError(f"command line: --{key} takes one value, got {raws}")
+        pairs.append((key, raws))
+        i = i + 1 if inline else values_end
 
     config_path = None
-    for key, raw in pairs:
+    for key, raws in pairs:
         if key == "config":
-            config_path = raw
+            config_path = raws[0]
     if config_path is not None:
         path = Path(config_path)
         if not path.is_file():
@@ -131,21 +137,37 @@ def parse_config(cls, argv: list[str] | None = None):
             values[key] = _coerce(key, value, hints[key], str(path))
 
     overrides = {}
-    for key, raw in pairs:
+    for key, raws in pairs:
         if key == "config":
             continue
         if key not in names:
             raise ConfigError(f"command line: unknown field '--{key}' (known: {', '.join(sorted(names))})")
-        value = raw if hints[key] is str else yaml.safe_load(raw)
-        if hints[key] in (str, str | None) and value is not None and not isinstance(value, str):
-            value = raw
-        values[key] = overrides[key] = _coerce(key, value, hints[key], "command line")
+        values[key] = overrides[key] = _coerce(key, _parse_raw(raws, hints[key]), hints[key], "command line")
 
     try:
         config = cls(**values)
     except TypeError as err:  # a required field without a default
         raise ConfigError(f"{cls.__name__}: {err}") from None
     return config, overrides
+
+
+def _accepts_str(annotation) -> bool:
+    return annotation is str or str in typing.get_args(annotation)
+
+
+def _is_list(annotation) -> bool:
+    return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+
+
+def _parse_raw(raws: list[str], annotation):
+    """Command-line strings -> a value: list fields (all lists of strings) take each word or a YAML
+    list, string fields keep the text, anything else is read as YAML; `null` is None."""
+    if _is_list(annotation):
+        return yaml.safe_load(raws[0]) if len(raws) == 1 and raws[0].startswith("[") else list(raws)
+    (raw,) = raws
+    if raw.lower() in ("null", "~"):
+        return None
+    return raw if _accepts_str(annotation) else yaml.safe_load(raw)
 
 
 def to_dict(config) -> dict:

@@ -244,6 +244,7 @@ class Run:
         log.info("done: %s", self.dir)
         logging.getLogger().removeHandler(self._handler)
         self._handler.close()
+        print(f"run_dir: {self.dir}", flush=True)  # the one stdout line chaining scripts read
 
 
 def require_done(run_dir: str | Path) -> dict:

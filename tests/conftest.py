@@ -1,0 +1,46 @@
+"""Shared fixtures: the tiny local model (no hub), a finished pairs run, and a stage runner that goes
+through the real command line."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / ".cache" / "models" / "tiny-llama3"
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from common.local_models import ensure
+    return ensure("tiny", TINY)
+
+
+def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a stage script through its real command line; return the finished process."""
+    proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def run_dir_of(proc: subprocess.CompletedProcess) -> Path:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
+    assert lines, f"no run_dir line in stdout:\n{proc.stdout[-2000:]}"
+    return Path(lines[-1].split(" ", 1)[1])
+
+
+@pytest.fixture(scope="session")
+def pairs_run(tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("runs")
+    proc = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--runs_dir", runs)
+    return run_dir_of(proc)

@@ -1,0 +1,131 @@
+"""The 4-bit rsLoRA loader and what training does to it (tiny random Llama, CPU)."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import parse_config
+from common.data import load_split
+from common.model import CAUSAL_LM, SEQ_CLS, fingerprint, load_model, load_tokenizer
+from common.rewards import RewardScorer
+from common.runs import Run
+
+sft_stage = importlib.import_module("02_train_sft")
+
+
+@pytest.fixture()
+def sft_config(tiny_model, pairs_run, tmp_path):
+    config, _ = parse_config(sft_stage.SFTStageConfig, [
+        "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", str(pairs_run),
+        "--model_name_or_path", str(tiny_model), "--runs_dir", str(tmp_path)])
+    return config
+
+
+def test_loader_gives_nf4_double_quant_and_rslora_on_all_projections(sft_config):
+    model = load_model(sft_config, CAUSAL_LM)
+    linear4bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4bit) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+    weight = linear4bit[0].weight
+    assert weight.quant_state.quant_type == "nf4" and weight.quant_state.nested  # double quantisation
+    lora = model.peft_config["default"]
+    assert lora.r == 64 and lora.use_rslora and set(lora.target_modules) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_fingerprint_tracks_base_and_lora_settings(sft_config):
+    import dataclasses
+    base = fingerprint(sft_config)
+    assert fingerprint(dataclasses.replace(sft_config, lora_r=8))["lora_r"] == 8
+    assert fingerprint(dataclasses.replace(sft_config, lora_dropout=0.3)) == base  # training detail, same base
+    assert len(base["weights_sha256"]) == 64 and len(base["config_sha256"]) == 64
+
+
+def _lora_grads(config, eval_forward_first: bool, batch):
+    torch.manual_seed(0)  # the same LoRA init and dropout masks in both runs
+    model = load_model(config, CAUSAL_LM)
+    for name, param in model.named_parameters():  # non-zero B so every LoRA matrix gets a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    if eval_forward_first:  # what Trainer.evaluate or a generate before training does
+        model.eval()
+        with torch.no_grad():
+            model(**batch)
+    model.train()
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradients_survive_a_no_grad_eval_forward(sft_config):
+    """STACK.md's CPU trap: without the loader's workaround, LoRA gradients after an eval-mode
+    no-grad forward silently lose the path through the frozen 4-bit weights."""
+    tokenizer = load_tokenizer(sft_config)
+    batch = tokenizer(["A reply that could change a view.", "Another, longer reply to a post here."],
+                      return_tensors="pt", padding=True)
+    plain = _lora_grads(sft_config, False, batch)
+    after_eval = _lora_grads(sft_config, True, batch)
+    assert plain.keys() == after_eval.keys() and len(plain) == 2 * 7 * 2
+    for name in plain:
+        assert torch.equal(after_eval[name], plain[name]), name
+
+
+def test_sft_batch_masks_the_prompt_and_trains_the_reply(sft_config, pairs_run):
+    tokenizer = load_tokenizer(sft_config)
+    model = load_model(sft_config, CAUSAL_LM)
+    run = Run("SFT", sft_config, {}, argv=["test"])
+    rows = load_split(pairs_run, "train")[:4]
+    trainer = sft_stage.build_trainer(sft_config, run, model, tokenizer, rows, [])
+    raw = sft_stage.sft_dataset(rows, tokenizer, sft_config)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    for i in range(4):
+        prompt_ids = tokenizer.apply_chat_template(raw[i]["prompt"], add_generation_prompt=True, tokenize=True)
+        prompt_ids = list(prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids)
+        n_real = int(batch["attention_mask"][i].sum())
+        ids, labels = batch["input_ids"][i][:n_real].tolist(), batch["labels"][i][:n_real]
+        assert ids[:len(prompt_ids)] == prompt_ids
+        assert (labels[:len(prompt_ids)] == -100).all(), "a prompt token carries loss"
+        assert (labels[len(prompt_ids):] != -100).all(), "a reply token carries no loss"
+        assert n_real > len(prompt_ids)
+
+
+def test_training_moves_lora_and_leaves_the_4bit_base(sft_config, pairs_run):
+    tokenizer = load_tokenizer(sft_config)
+    model = load_model(sft_config, CAUSAL_LM)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run = Run("SFT", sft_config, {}, argv=["test"])
+    trainer = sft_stage.build_trainer(sft_config, run, model, tokenizer, load_split(pairs_run, "train")[:12], [])
+    trainer.train()
+    after = dict(model.named_parameters())
+    lora = [n for n in before if "lora_" in n]
+    frozen = [n for n in before if "lora_" not in n]
+    assert lora and any(".weight" in n and "proj.base_layer" in n for n in frozen)
+    assert all(not torch.equal(before[n], after[n]) for n in lora if "lora_B" in n), "a LoRA B matrix did not move"
+    for name in frozen:
+        assert torch.equal(before[name], after[name]), f"frozen weight {name} changed"
+
+
+def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
+    from conftest import run_dir_of, run_stage
+    reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
+                                  "--pairs_run", pairs_run, "--runs_dir", tmp_path, "--learning_rate", "0.01"))
+    config, _ = parse_config(sft_stage.SFTStageConfig, ["--config", "configs/tiny/02_train_sft.yaml"])
+    saved = load_file(reward / "adapter" / "adapter_model.safetensors")
+    head_keys = [k for k in saved if "score" in k]
+    assert head_keys, "the score head is not in the saved adapter"
+    fresh = load_model(config, SEQ_CLS)
+    fresh_head = dict(fresh.named_parameters())
+    trained_head = saved[head_keys[0]]
+    assert not any(torch.equal(trained_head.float(), p.detach().float()) for n, p in fresh_head.items() if "score" in n)
+
+    scorer = RewardScorer.from_run(reward, config)
+    dev = load_split(pairs_run, "dev")[:8]
+    stored = [json.loads(line) for line in (reward / "dev_scores.jsonl").read_text().splitlines()]
+    reloaded = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
+    assert [s["id"] for s in stored] == [r["id"] for r in dev]
+    assert reloaded == [s["chosen_score"] for s in stored]  # bit-identical
