@@ -18,10 +18,10 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from common.config import RunArgs, parse_config
-from common.data import (DataError, balance_by_length, length_only_accuracy, read_jsonl,
-                         split_by_group, write_jsonl)
-from common.runs import Run
+from common.config import RunArgs
+from common.data import (DataError, balance_split, length_balance_strategy, length_kinds,
+                         length_only_accuracy, read_jsonl, split_by_group, write_jsonl)
+from common.runs import Run, cli
 from common.tasks import get_task
 
 log = logging.getLogger("pipeline")
@@ -35,23 +35,26 @@ class PairsConfig(RunArgs):
     premise_words: int = 470
     dev_fraction: float = 0.1
     test_fraction: float = 0.1
-    length_balance: bool = True  # match winner-longer and winner-shorter pairs (see balance_by_length)
+    # How reply length is kept from giving the winner away (docs/data.md): "match_ratio" pairs every
+    # winner-shorter pair with the winner-longer pair of nearest length ratio, "none" keeps all.
+    length_balance: str | bool = "match_ratio"
+    max_length_ratio: float | None = None  # optional band: drop pairs whose longer reply has more words
+    scrub_giveaways: bool = True  # remove edit notes, delta mentions, bot/moderator boilerplate
     skip_bad_rows: bool = False
 
 
 def main(config: PairsConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs recorded with their digests.
     random.seed(config.seed)
-    run = Run("Pairs", config, overrides)
     task = get_task(config.task)
-    for i, path in enumerate(config.data):
-        run.add_input_file(f"data[{i}]", path)
+    strategy = length_balance_strategy(config.length_balance)
+    run = Run("Pairs", config, overrides, inputs={f"data[{i}]": path for i, path in enumerate(config.data)})
     run.manifest["task"] = task.NAME
     run.save_manifest()
     run.start_tracking()
 
     # 2. Rows -> pairs, every row either kept or counted under a drop reason.
-    n_rows, dropped, pairs, seen = 0, Counter(), [], set()
+    n_rows, dropped, scrubbed, pairs, seen = 0, Counter(), Counter(), [], set()
     for path in config.data:
         for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):
             n_rows += 1
@@ -59,7 +62,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
                 dropped["bad_row"] += 1
                 continue
             try:
-                pair = task.to_pair(row, where, config.premise_words)
+                pair = task.to_pair(row, where, config.premise_words, config.scrub_giveaways)
             except DataError:
                 if not config.skip_bad_rows:
                     raise
@@ -71,17 +74,19 @@ def main(config: PairsConfig, overrides: dict) -> None:
                 dropped["duplicate_pair"] += 1
             else:
                 seen.add(pair["id"])
+                scrubbed.update(pair["scrubbed"])  # texts whose give-aways were removed, by rule
                 pairs.append(pair)
     log.info("%d rows -> %d usable pairs", n_rows, len(pairs))
 
-    # 3. Split by premise (group), then balance each split so reply length cannot pick the winner.
+    # 3. Split by premise (group), then balance each split so reply length cannot pick the winner
+    #    (lengths are measured on the scrubbed texts, the ones written).
     splits = split_by_group(pairs, {"train": 1 - config.dev_fraction - config.test_fraction,
                                     "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
     length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()}
-    if config.length_balance:
-        for name in SPLITS:
-            splits[name], removed = balance_by_length(splits[name], config.seed)
-            dropped["length_balance"] += len(removed)
+    kinds_before = length_kinds(pairs)
+    for name in SPLITS:
+        splits[name], removed = balance_split(splits[name], strategy, config.max_length_ratio, config.seed)
+        dropped.update(removed)
 
     # 4. Write the splits and the accounting.
     for name in SPLITS:
@@ -94,6 +99,12 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "dropped": dict(sorted(dropped.items())),
         "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS},
         "length_only_accuracy_before_balancing": length_before,
+        "length_balance": strategy,
+        "length_kinds_before_balancing": kinds_before,
+        # kept / 2 x min(winner longer, winner shorter) of the usable pairs: what balancing could keep
+        "kept_share_of_balanceable": sum(len(s) for s in splits.values()) / max(
+            1, 2 * min(kinds_before["winner_longer"], kinds_before["winner_shorter"]) + kinds_before["tie"]),
+        "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
     accounted = sum(metrics["n_pairs"].values()) + sum(dropped.values())
     assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
@@ -103,4 +114,4 @@ def main(config: PairsConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_config(PairsConfig))
+    cli(main, PairsConfig)

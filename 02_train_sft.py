@@ -15,10 +15,10 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 
-from common.config import ModelArgs, RunArgs, TrainArgs, parse_config
+from common.config import ModelArgs, RunArgs, TrainArgs
 from common.data import fit_prompt, fit_reply, load_split
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.runs import Run, RunError
+from common.runs import Run, cli
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -53,13 +53,10 @@ def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev
 def main(config: SFTStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished.
     set_seed(config.seed)
-    if not config.pairs_run:
-        raise RunError("--pairs_run is required (a finished 01_build_pairs run directory)")
-    run = Run("SFT", config, overrides)
-    pairs = run.add_input("pairs_run", config.pairs_run)
+    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run})
 
     # 2. The base lock: record which base this adapter belongs to.
-    run.lock_base(fingerprint(config), {"pairs_run": pairs})
+    run.lock_base(fingerprint(config))
     run.start_tracking()
 
     # 3. Data: the winners of the train split (dev for a held-out loss).
@@ -82,4 +79,4 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_config(SFTStageConfig))
+    cli(main, SFTStageConfig)

@@ -17,12 +17,12 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
-from common.config import ModelArgs, RunArgs, TrainArgs, parse_config
+from common.config import ModelArgs, RunArgs, TrainArgs
 from common.data import fit_prompt, fit_reply, load_split, write_jsonl
 from common.metrics import preference_metrics
 from common.model import SEQ_CLS, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
-from common.runs import Run, RunError
+from common.runs import Run, cli
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -49,11 +49,8 @@ def preference_dataset(rows: list[dict], tokenizer, config: RewardStageConfig) -
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
-    if not config.pairs_run:
-        raise RunError("--pairs_run is required (a finished 01_build_pairs run directory)")
-    run = Run("Reward", config, overrides)
-    pairs = run.add_input("pairs_run", config.pairs_run)
-    run.lock_base(fingerprint(config), {"pairs_run": pairs})
+    run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run})
+    run.lock_base(fingerprint(config))
     run.start_tracking()
 
     # 2. Data: winner-vs-loser pairs of the train split; dev for the judge's report.
@@ -90,4 +87,4 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_config(RewardStageConfig))
+    cli(main, RewardStageConfig)

@@ -18,11 +18,11 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
-from common.config import ModelArgs, RunArgs, TrainArgs, parse_config
+from common.config import ModelArgs, RunArgs, TrainArgs
 from common.data import fit_prompt, load_split
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
-from common.runs import Run, RunError
+from common.runs import Run, cli
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -54,16 +54,12 @@ def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Datase
 def main(config: GRPOStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; both inputs finished and built on this base.
     set_seed(config.seed)
-    if not (config.sft_run and config.reward_run):
-        raise RunError("--sft_run and --reward_run are both required (finished stage 02 and 03 runs)")
-    run = Run("GRPO", config, overrides)
-    sft = run.add_input("sft_run", config.sft_run)
-    reward = run.add_input("reward_run", config.reward_run)
-    run.lock_base(fingerprint(config), {"sft_run": sft, "reward_run": reward})
+    run = Run("GRPO", config, overrides, inputs={"sft_run": config.sft_run, "reward_run": config.reward_run})
+    run.lock_base(fingerprint(config))
     run.start_tracking()
 
     # 2. Prompts: the premises the SFT model was trained on (its pairs run).
-    pairs_run = sft["inputs"]["pairs_run"]["path"]
+    pairs_run = run.inputs["sft_run"]["inputs"]["pairs_run"]["path"]
     tokenizer = load_tokenizer(config)
     tokenizer.padding_side = "left"  # generation pads on the left
     prompts = prompt_dataset(pairs_run, tokenizer, config)
@@ -91,4 +87,4 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_config(GRPOStageConfig))
+    cli(main, GRPOStageConfig)

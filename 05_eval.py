@@ -16,14 +16,14 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from common.config import ModelArgs, RunArgs, parse_config
+from common.config import ModelArgs, RunArgs
 from common.data import fit_prompt, load_split, n_words, write_jsonl
 from common.generation import generate_replies
 from common.metrics import bleu, rouge, win_rate
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.report import write_report
 from common.rewards import RewardScorer
-from common.runs import Run, RunError, write_json
+from common.runs import Run, cli, write_json
 
 log = logging.getLogger("pipeline")
 
@@ -46,17 +46,13 @@ class EvalConfig(RunArgs, ModelArgs):
 def main(config: EvalConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs (all finished, all on this base).
     set_seed(config.seed)
-    if not (config.pairs_run and config.reward_run):
-        raise RunError("--pairs_run and --reward_run are required; --sft_run and --policy_run are optional")
-    run = Run("Eval", config, overrides)
-    inputs = {"pairs_run": run.add_input("pairs_run", config.pairs_run),
-              "reward_run": run.add_input("reward_run", config.reward_run)}
-    adapters = {}  # model name in the report -> adapter folder
-    for key, name in (("sft_run", "sft"), ("policy_run", "grpo")):
-        if getattr(config, key):
-            inputs[key] = run.add_input(key, getattr(config, key))
-            adapters[name] = Path(getattr(config, key)) / "adapter"
-    run.lock_base(fingerprint(config), inputs)
+    optional = {key: getattr(config, key) for key in ("sft_run", "policy_run") if getattr(config, key)}
+    run = Run("Eval", config, overrides, inputs={"pairs_run": config.pairs_run, "reward_run": config.reward_run,
+                                                 **optional})
+    run.lock_base(fingerprint(config))
+    # model name in the report -> adapter folder
+    adapters = {name: Path(getattr(config, key)) / "adapter"
+                for key, name in (("sft_run", "sft"), ("policy_run", "grpo")) if key in optional}
     run.start_tracking()
 
     # 2. Held-out premises: one per original post, its (first) winning reply as the reference.
@@ -111,4 +107,4 @@ def main(config: EvalConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_config(EvalConfig))
+    cli(main, EvalConfig)

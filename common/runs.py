@@ -124,9 +124,13 @@ def read_json(path: Path):
 class Run:
     """The run directory of one stage invocation, from its config to its DONE marker."""
 
-    def __init__(self, stage: str, config, overrides: dict, argv: list[str] | None = None):
+    def __init__(self, stage: str, config, overrides: dict, inputs: dict | None = None,
+                 argv: list[str] | None = None):
+        """`inputs` maps a name to an input run directory (must be DONE) or a data file; all are
+        checked before anything is created. Their manifests are in `self.inputs`."""
         self.stage = stage
         self.config = config
+        self.inputs = {name: _check_input(name, path) for name, path in (inputs or {}).items()}
         if config.resume:
             self.dir = Path(config.resume)
             if not (self.dir / "config.yaml").is_file():
@@ -158,6 +162,10 @@ class Run:
                 "base": None,
             }
         self._attach_log()
+        for name, path in (inputs or {}).items():
+            self._record_input(name, Path(path))
+        # One W&B group per pipeline: given, else inherited from the inputs, else this (first) run.
+        self.manifest["wandb_group"] = self.manifest.get("wandb_group") or self.dir.name
         self.save_manifest()
         log.info("run directory %s", self.dir)
 
@@ -177,26 +185,21 @@ class Run:
     def save_manifest(self) -> None:
         write_json(self.dir / "manifest.json", self.manifest)
 
-    def add_input(self, name: str, run_dir: Path) -> dict:
-        """Record an input run (path and digest) and return its manifest. Refuses unfinished runs."""
-        manifest = require_done(run_dir)
-        self.manifest["inputs"][name] = {"path": str(Path(run_dir).resolve()), "sha256": sha256_run(Path(run_dir)),
-                                         "stage": manifest.get("stage")}
-        if self.manifest.get("wandb_group") is None and manifest.get("wandb_group"):
-            self.manifest["wandb_group"] = manifest["wandb_group"]
-        self.save_manifest()
-        return manifest
+    def _record_input(self, name: str, path: Path) -> None:
+        digest = sha256_file(path) if path.is_file() else sha256_run(path)
+        self.manifest["inputs"][name] = {"path": str(path.resolve()), "sha256": digest}
+        manifest = self.inputs[name]
+        if manifest:
+            self.manifest["inputs"][name]["stage"] = manifest.get("stage")
+            if self.manifest.get("wandb_group") is None and manifest.get("wandb_group"):
+                self.manifest["wandb_group"] = manifest["wandb_group"]  # one W&B group per pipeline
 
-    def add_input_file(self, name: str, path: Path) -> None:
-        self.manifest["inputs"][name] = {"path": str(Path(path).resolve()), "sha256": sha256_file(Path(path))}
-        self.save_manifest()
-
-    def lock_base(self, fingerprint: dict, input_manifests: dict[str, dict]) -> None:
-        """The base lock: every input must have been built on exactly this base."""
-        for name, manifest in input_manifests.items():
-            theirs = manifest.get("base")
+    def lock_base(self, fingerprint: dict) -> None:
+        """The base lock: every input run must have been built on exactly this base."""
+        for name, manifest in self.inputs.items():
+            theirs = (manifest or {}).get("base")
             if theirs is None:
-                continue  # pairs runs use no model
+                continue  # data files and pairs runs use no model
             for key in sorted(set(fingerprint) | set(theirs)):
                 if fingerprint.get(key) != theirs.get(key):
                     raise RunError(
@@ -219,7 +222,7 @@ class Run:
         (self.dir / "wandb").mkdir(exist_ok=True)
         resume_id = self.manifest.get("wandb_run_id")
         wb = wandb.init(project=self.config.wandb_project, name=self.dir.name, dir=str(self.dir),
-                        group=self.manifest.get("wandb_group") or self.dir.name, job_type=self.stage,
+                        group=self.manifest["wandb_group"], job_type=self.stage,
                         config=to_dict(self.config), id=resume_id, resume="allow" if resume_id else None)
         self.manifest["wandb_run_id"] = wb.id
         self.save_manifest()
@@ -247,10 +250,30 @@ class Run:
         print(f"run_dir: {self.dir}", flush=True)  # the one stdout line chaining scripts read
 
 
+def _check_input(name: str, path) -> dict | None:
+    """A data file (returns None) or a finished run directory (returns its manifest)."""
+    if path is None:
+        raise RunError(f"--{name} is required")
+    path = Path(path)
+    if path.is_file():
+        return None
+    return require_done(path)
+
+
+def cli(main, config_cls) -> None:
+    """Entry point of a stage: bad configs, inputs and data end with a one-line error, no traceback."""
+    from common.config import ConfigError, parse_config
+    from common.data import DataError
+    try:
+        main(*parse_config(config_cls))
+    except (ConfigError, RunError, DataError) as err:
+        sys.exit(f"error: {err}")
+
+
 def require_done(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise RunError(f"input run {run_dir} does not exist")
+        raise RunError(f"input {run_dir} does not exist (no such file or run directory)")
     if not (run_dir / "DONE").exists():
         raise RunError(f"input run {run_dir} has no DONE marker: it is unfinished or failed")
     return read_json(run_dir / "manifest.json")

@@ -87,4 +87,6 @@ def test_wrong_field_type_names_file_line_and_field(tmp_path, field, value):
 
 def test_missing_data_file_is_a_clear_error(tmp_path):
     proc = _build(tmp_path, tmp_path / "nope.jsonl")
-    assert proc.returncode != 0 and "nope.jsonl" in proc.stderr and "no such file" in proc.stderr
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"error: input {tmp_path / 'nope.jsonl'} does not exist (no such file or run directory)"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing
 from dataclasses import dataclass
 
@@ -69,10 +70,31 @@ def test_overrides_are_typed_and_returned(tmp_path):
         parse_config(DemoConfig, ["--lora_r", "big"])
 
 
+def _finished_run(path, base):
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "base": base}))
+    (path / "DONE").write_text("")
+    return path
+
+
 def test_base_lock_names_the_differing_field(tmp_path):
-    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path)])
-    run = Run("SFT", config, {}, argv=["test"])
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
     mine = {"model": "m", "lora_r": 64, "config_sha256": "a"}
-    run.lock_base(mine, {"pairs_run": {"run_name": "p", "base": None}})  # pairs runs carry no base
+    same = _finished_run(tmp_path / "same", mine)
+    pairs = _finished_run(tmp_path / "pairs", None)  # pairs runs carry no base
+    Run("SFT", config, {}, inputs={"pairs_run": pairs, "sft_run": same}, argv=["test"]).lock_base(mine)
+    other = _finished_run(tmp_path / "other", {**mine, "config_sha256": "b"})
+    run = Run("SFT", config, {}, inputs={"sft_run": other}, argv=["test"])
     with pytest.raises(RunError, match="field 'config_sha256'"):
-        run.lock_base(mine, {"sft_run": {"run_name": "s", "base": {**mine, "config_sha256": "b"}}})
+        run.lock_base(mine)
+
+
+def test_inputs_are_checked_before_a_directory_is_made(tmp_path):
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    with pytest.raises(RunError, match="no DONE marker"):
+        Run("SFT", config, {}, inputs={"pairs_run": unfinished}, argv=["test"])
+    with pytest.raises(RunError, match="--pairs_run is required"):
+        Run("SFT", config, {}, inputs={"pairs_run": None}, argv=["test"])
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
