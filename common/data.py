@@ -109,6 +109,48 @@ def balance_by_length(pairs: list[dict], seed: int) -> tuple[list[dict], list[di
     return kept, dropped
 
 
+LENGTH_BALANCE = ("match_ratio", "none")
+
+
+def length_balance_strategy(value) -> str:
+    """The `length_balance` setting: "match_ratio" (balance_by_length) or "none"; the older boolean
+    form is accepted (true = match_ratio, false = none)."""
+    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+        return "match_ratio" if str(value).lower() == "true" else "none"
+    if value not in LENGTH_BALANCE:
+        raise ValueError(f"length_balance must be one of {', '.join(LENGTH_BALANCE)}, got {value!r}")
+    return value
+
+
+def length_kinds(pairs: list[dict]) -> dict:
+    """How many pairs have the winner longer, shorter, or as long as the loser (in words)."""
+    counts = {"winner_longer": 0, "winner_shorter": 0, "tie": 0}
+    for p in pairs:
+        c, r = n_words(p["chosen"]), n_words(p["rejected"])
+        counts["winner_longer" if c > r else "winner_shorter" if c < r else "tie"] += 1
+    return counts
+
+
+def within_length_band(pair: dict, max_length_ratio: float) -> bool:
+    """True when the longer reply has at most `max_length_ratio` times the words of the shorter."""
+    a, b = sorted((n_words(pair["chosen"]) + 1, n_words(pair["rejected"]) + 1))
+    return b / a <= max_length_ratio
+
+
+def balance_split(pairs: list[dict], strategy: str, max_length_ratio: float | None, seed: int):
+    """One split through the length strategy: the optional ratio band, then the balancing.
+    Returns (kept, {drop reason: count})."""
+    dropped = {}
+    if max_length_ratio is not None:
+        band = [p for p in pairs if within_length_band(p, max_length_ratio)]
+        dropped["length_ratio_band"] = len(pairs) - len(band)
+        pairs = band
+    if strategy == "match_ratio":
+        pairs, removed = balance_by_length(pairs, seed)
+        dropped["length_balance"] = len(removed)
+    return pairs, dropped
+
+
 # --- token budgets -------------------------------------------------------------------------------
 
 def _template_overheads(tokenizer, prompt_messages):

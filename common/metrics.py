@@ -1,5 +1,8 @@
-"""Metrics: judge quality on preference pairs, text overlap, win rates with bootstrap intervals."""
+"""Metrics: judge quality on preference pairs, text overlap, win rates (plain and length-controlled)
+with bootstrap intervals, and the reward-hacking watch of stage 04."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 from rouge_score import rouge_scorer
@@ -43,3 +46,82 @@ def win_rate(scores: list[float], base_scores: list[float], n_boot: int = 2000, 
     boot = wins[rng.integers(0, len(wins), size=(n_boot, len(wins)))].mean(axis=1)
     low, high = np.percentile(boot, [2.5, 97.5])
     return {"win_rate_vs_base": float(wins.mean()), "win_rate_vs_base_ci95": [float(low), float(high)]}
+
+
+# --- reward-hacking watch (stage 04) ------------------------------------------------------------
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+(?:'\w+)?", text.lower())
+
+
+def _ngrams(words: list[str], n: int) -> list[tuple]:
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: list[str], n: int = 2) -> float:
+    """Distinct-n over a set of texts: unique word n-grams / all word n-grams (0 when there are none).
+    Falls when the replies of a batch repeat themselves or each other."""
+    grams = [g for t in texts for g in _ngrams(_words(t), n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def premise_overlap(premise: str, reply: str, n: int = 3) -> float:
+    """Share of the reply's word n-grams that also occur in the premise (0 for a reply shorter than
+    n words). Rises when the reply echoes the premise back."""
+    grams = _ngrams(_words(reply), n)
+    if not grams:
+        return 0.0
+    source = set(_ngrams(_words(premise), n))
+    return sum(g in source for g in grams) / len(grams)
+
+
+def hacking_stats(premises: list[str], replies: list[str]) -> dict:
+    """What the stage-04 watch logs for one batch of completions."""
+    return {"reply_words": float(np.mean([n_words(r) for r in replies])) if replies else 0.0,
+            "distinct_2": distinct_n(replies, 2),
+            "premise_overlap": float(np.mean([premise_overlap(p, r) for p, r in zip(premises, replies)]))
+            if replies else 0.0}
+
+
+# --- length-controlled win rate (stage 05) --------------------------------------------------------
+
+def _fit_logistic(x: np.ndarray, wins: np.ndarray, l2: float = 0.1, iters: int = 100) -> tuple[float, float]:
+    """Weighted logistic regression win ~ a + b*x by Newton's method, with an L2 penalty on both
+    coefficients (keeps the fit finite when every premise is a win). Each premise counts once as a
+    win with weight wins[i] and once as a loss with weight 1 - wins[i] (ties count half)."""
+    X = np.stack([np.ones_like(x), x], axis=1)
+    theta = np.zeros(2)
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-X @ theta))
+        grad = X.T @ (wins - p) - l2 * theta
+        hess = (X * (p * (1 - p))[:, None]).T @ X + l2 * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        theta += step
+        if np.abs(step).max() < 1e-8:
+            break
+    return float(theta[0]), float(theta[1])
+
+
+def length_controlled_win_rate(scores: list[float], base_scores: list[float], lengths: list[float],
+                               base_lengths: list[float], n_boot: int = 1000, seed: int = 0) -> dict:
+    """The judge's preference for the model over the base with the length effect regressed out, in
+    the spirit of AlpacaEval 2's length-controlled win rate: a logistic regression of the per-premise
+    win (ties half) on the normalised length difference tanh((len - len_base) / sd), read at a length
+    difference of zero: sigmoid(intercept). With a 95% percentile bootstrap interval over premises.
+    `length_coef` is the fitted slope: how much a longer reply alone moves the judge."""
+    s, b = np.asarray(scores, float), np.asarray(base_scores, float)
+    wins = (s > b) + 0.5 * (s == b)
+    diff = np.log1p(np.asarray(lengths, float)) - np.log1p(np.asarray(base_lengths, float))
+    sd = diff.std()
+    x = np.tanh(diff / sd) if sd > 0 else np.zeros_like(diff)
+
+    def lc(idx):
+        a, slope = _fit_logistic(x[idx], wins[idx])
+        return 1 / (1 + np.exp(-a)), slope
+
+    value, slope = lc(np.arange(len(wins)))
+    rng = np.random.default_rng(seed)
+    boot = [lc(rng.integers(0, len(wins), len(wins)))[0] for _ in range(n_boot)]
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return {"lc_win_rate_vs_base": float(value), "lc_win_rate_vs_base_ci95": [float(low), float(high)],
+            "length_coef": float(slope)}

