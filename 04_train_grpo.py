@@ -4,9 +4,11 @@
         --sft_run runs/Nov30_SFT_Run1 --reward_run runs/Nov30_Reward_Run1
 
 Starts from the SFT adapter (trained further; the 4-bit base stays frozen). For each premise the
-policy writes `num_generations` replies; the reward model (4-bit base + its adapter and head) scores
-them, and GRPO pushes up the replies that beat their group's mean. Logs the mean reward and mean
-reply length of every step to metrics.json (and W&B). Writes the adapter (adapter/).
+policy writes `num_generations` replies; the reward run's judge scores them, and GRPO pushes up the
+replies that beat their group's mean. A reward-hacking watch logs, every step, the mean reward, mean
+reply length (tokens and words), distinct-2 and overlap with the premise to metrics.json `per_step`
+(and W&B); its guard stops the run, unfinished and with a message, when reply length drifts past
+`guard_max_length_ratio`. Writes the adapter (adapter/).
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from trl import GRPOConfig, GRPOTrainer
 from common.config import ModelArgs, RunArgs, TrainArgs
 from common.data import fit_prompt, load_split
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.rewards import RewardScorer
-from common.runs import Run, cli
+from common.rewards import RewardScorer, WatchedReward, watch_per_step
+from common.runs import Run, RunError, cli, write_json
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -39,6 +41,10 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
     temperature: float = 1.0
     beta: float = 0.0
     reward_batch_size: int = 16
+    # Reward-hacking guard: stop when the mean reply length (words) of `guard_patience` batches in a
+    # row leaves [ref / ratio, ref * ratio], ref = the first batch's mean. null turns it off.
+    guard_max_length_ratio: float | None = 2.0
+    guard_patience: int = 2
 
 
 def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Dataset:
@@ -67,7 +73,12 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
 
     # 3. Models: the policy continues the SFT adapter; the judge is frozen.
     policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter", trainable=True)
-    judge = RewardScorer.from_run(config.reward_run, config, batch_size=config.reward_batch_size)
+    #    The judge is the reward run's own (its config and `judge` fingerprint), watched: reply
+    #    length, distinct-2 and premise overlap of every batch go to the log (watch/...).
+    judge = WatchedReward(RewardScorer.from_run(config.reward_run, batch_size=config.reward_batch_size),
+                          config.guard_max_length_ratio, config.guard_patience)
+    run.manifest["judge"] = run.inputs["reward_run"].get("judge")
+    run.save_manifest()
 
     # 4. GRPO (beta=0: no reference model; DAPO loss, group-scaled rewards: TRL's defaults).
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
@@ -75,14 +86,18 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
                         temperature=config.temperature, beta=config.beta, log_completions=False)
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
                           processing_class=tokenizer)
+    trainer.add_callback(judge.stop_callback())  # the length guard stops training at a step's end
 
     # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.
     metrics = train(trainer, run)
     save_adapter(policy, tokenizer, run)
-    metrics["per_step"] = [{"step": h["step"], "reward_mean": h.get("reward"),
-                            "reply_length_mean": h.get("completions/mean_length")}
-                           for h in metrics["log_history"] if "reward" in h]
+    metrics["per_step"] = watch_per_step(metrics["log_history"])
     metrics["n_prompts"] = len(prompts)
+    if judge.tripped:  # unfinished on purpose (no DONE): stage 05 must not take this policy
+        metrics["stopped_by_guard"] = judge.tripped
+        write_json(run.dir / "metrics.json", metrics)
+        run.log_metrics(metrics)
+        raise RunError(judge.tripped)
     run.finish(metrics)
 
 
