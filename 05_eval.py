@@ -5,8 +5,10 @@
 
 For each premise of the test split (one per original post), every model writes a greedy reply.
 Replies are compared with the winning reply (BLEU, ROUGE-L), scored by the stage-03 judge, and each
-adapter's win rate against the base (judge prefers its reply) comes with a 95% bootstrap interval.
-Writes eval.json, replies.jsonl and a readable report.md with sample replies side by side.
+adapter's win rate against the base (judge prefers its reply) comes with a 95% bootstrap interval,
+and so does its length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval).
+Writes eval.json, replies.jsonl, reply-length and reward histograms (PNG, also to W&B) and a
+readable report.md with the plots, the judge's audit verdict and sample replies side by side.
 """
 from __future__ import annotations
 
@@ -19,11 +21,11 @@ from transformers import set_seed
 from common.config import ModelArgs, RunArgs
 from common.data import fit_prompt, load_split, n_words, write_jsonl
 from common.generation import generate_replies
-from common.metrics import bleu, rouge, win_rate
+from common.metrics import bleu, length_controlled_win_rate, rouge, win_rate
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.report import write_report
+from common.report import log_plots_to_wandb, plot_distributions, write_report
 from common.rewards import RewardScorer
-from common.runs import Run, cli, write_json
+from common.runs import Run, cli, read_json, write_json
 
 log = logging.getLogger("pipeline")
 
@@ -84,14 +86,21 @@ def main(config: EvalConfig, overrides: dict) -> None:
     del model
 
     # 4. Judge every reply; overlap with the winning reply; win rates against the base.
-    judge = RewardScorer.from_run(config.reward_run, config, batch_size=config.batch_size)
+    #    The judge is the reward run's own; the length-controlled win rate regresses its length
+    #    effect out of the preference.
+    judge = RewardScorer.from_run(config.reward_run, batch_size=config.batch_size)
+    run.manifest["judge"] = run.inputs["reward_run"].get("judge")
+    run.save_manifest()
     rewards = {name: judge.score(prompts, texts) for name, texts in replies.items()}
+    words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
     results = {}
     for name, texts in replies.items():
         results[name] = {"n": len(texts), "bleu": bleu(texts, references), **rouge(texts, references),
                          "reward_mean": sum(rewards[name]) / len(texts),
-                         "reply_words_mean": sum(map(n_words, texts)) / len(texts),
-                         **win_rate(rewards[name], rewards["base"], seed=config.seed)}
+                         "reply_words_mean": sum(words[name]) / len(texts),
+                         **win_rate(rewards[name], rewards["base"], seed=config.seed),
+                         **length_controlled_win_rate(rewards[name], rewards["base"], words[name],
+                                                      words["base"], seed=config.seed)}
         log.info("%s: %s", name, results[name])
 
     # 5. Write eval.json, every reply with its score, the report; mark done.
@@ -100,8 +109,12 @@ def main(config: EvalConfig, overrides: dict) -> None:
         {"id": p["id"], "premise": p["premise"], "reference": p["chosen"],
          **{name: {"reply": replies[name][i], "reward": rewards[name][i]} for name in replies}}
         for i, p in enumerate(premises)])
+    plots = plot_distributions(run.dir, replies, rewards)  # reply length and reward, base vs adapters
+    log_plots_to_wandb(plots)
+    audit = Path(config.reward_run) / "judge_audit.json"
+    verdict = read_json(audit)["verdict"]["text"] if audit.is_file() else None
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
-                          config.n_report_samples)
+                          config.n_report_samples, plots, verdict)
     run.finish({"models": results, "n_premises": len(premises), "report": str(report)})
     print(f"report: {report.resolve()}")
 
