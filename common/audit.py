@@ -91,10 +91,20 @@ PROBES = [
 
 # --- baselines --------------------------------------------------------------------------------------
 
-def length_features(texts: list[str]) -> np.ndarray:
-    """log(1 + words): the length that stage 01 balances, and nothing else. (Words and characters
-    together would also carry the mean word length, a style cue that links and long words move.)"""
-    return np.array([[math.log1p(n_words(t))] for t in texts])
+class LengthFeatures:
+    """A reply's length and nothing else: log(1 + words) and a one-hot of its decile among the train
+    replies, so the fitted score can be any step function of length (the best a pointwise judge can
+    do with length alone), not just "longer is better". Words are what stage 01 balances; words and
+    characters together would also carry the mean word length, a style cue (links, long words)."""
+    names = ["log1p_words"] + [f"words_decile_{i}" for i in range(10)]
+
+    def __init__(self, train_texts: list[str]):
+        self.edges = np.quantile([math.log1p(n_words(t)) for t in train_texts], np.linspace(0.1, 0.9, 9))
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        logs = np.array([math.log1p(n_words(t)) for t in texts])
+        onehot = np.eye(10)[np.searchsorted(self.edges, logs, side="right")]
+        return np.c_[logs, onehot]
 
 
 def _fit_pairwise(x_chosen, x_rejected, C: float = 1.0):
@@ -119,15 +129,15 @@ def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) 
     that most favour the winner and the loser (a leftover give-away shows up there)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
     out = {}
-    length_model = _fit_pairwise(length_features([p["chosen"] for p in train]),
-                                 length_features([p["rejected"] for p in train]))
+    length_features = LengthFeatures([p["chosen"] for p in train] + [p["rejected"] for p in train])
+    feats = lambda rows, key: length_features([p[key] for p in rows])  # noqa: E731
+    length_model = _fit_pairwise(feats(train, "chosen"), feats(train, "rejected"))
     out["length_only"] = {
-        "features": ["log1p_words"],
+        "model": "logistic regression on winner - loser of log words + word-count deciles (a step function of length)",
+        "features": LengthFeatures.names,
         "coef": [float(c) for c in length_model.coef_[0]],
-        "train_accuracy": _pairwise_accuracy(length_model, length_features([p["chosen"] for p in train]),
-                                             length_features([p["rejected"] for p in train])),
-        **{f"{name}_accuracy": _pairwise_accuracy(length_model, length_features([p["chosen"] for p in rows]),
-                                                  length_features([p["rejected"] for p in rows]))
+        "train_accuracy": _pairwise_accuracy(length_model, feats(train, "chosen"), feats(train, "rejected")),
+        **{f"{name}_accuracy": _pairwise_accuracy(length_model, feats(rows, "chosen"), feats(rows, "rejected"))
            for name, rows in evals.items() if rows}}
     vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
                                  token_pattern=r"(?u)\b\w[\w']*\b")
