@@ -1,0 +1,74 @@
+"""Stage 05's numbers and plots, and the stage-04 watch statistics, on synthetic inputs whose answer
+is known: a judge that only counts words must lose its edge once length is controlled for."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.metrics import distinct_n, hacking_stats, length_controlled_win_rate, premise_overlap, win_rate
+from common.report import plot_distributions, write_report
+
+
+def _premises(n):
+    return [{"premise": f"CMV: claim {i}\n\nbody {i}", "chosen": f"winning reply {i}"} for i in range(n)]
+
+
+def test_length_controlled_win_rate_removes_a_pure_length_preference():
+    rng = np.random.default_rng(0)
+    base_len = rng.integers(40, 120, 200)
+    model_len = (base_len * rng.uniform(0.6, 2.5, 200)).astype(int)  # mostly longer
+    judge = lambda words: words + rng.normal(0, 1, len(words))      # noqa: E731  only counts words
+    scores, base_scores = judge(model_len), judge(base_len)
+    plain = win_rate(scores, base_scores, seed=0)["win_rate_vs_base"]
+    lc = length_controlled_win_rate(scores, base_scores, model_len, base_len, seed=0)
+    assert plain > 0.65                                   # the plain win rate is fooled by length
+    low, high = lc["lc_win_rate_vs_base_ci95"]
+    assert low <= 0.5 <= high and abs(lc["lc_win_rate_vs_base"] - 0.5) < 0.1
+    assert lc["length_coef"] > 1                          # and the judge's length effect is measured
+
+
+def test_length_controlled_win_rate_keeps_a_real_preference():
+    rng = np.random.default_rng(1)
+    base_len = rng.integers(40, 120, 200)
+    model_len = (base_len * rng.uniform(0.5, 2.0, 200)).astype(int)
+    better = rng.random(200) < 0.8                          # wins 80%, whatever the lengths
+    scores, base_scores = better.astype(float), (~better).astype(float)
+    lc = length_controlled_win_rate(scores, base_scores, model_len, base_len, seed=0)
+    assert 0.7 < lc["lc_win_rate_vs_base"] < 0.9
+    assert lc["lc_win_rate_vs_base_ci95"][0] > 0.65
+    assert abs(lc["length_coef"]) < 1
+
+
+def test_base_against_itself_is_even():
+    scores, words = [0.1, 0.3, -0.2, 0.5], [10, 20, 30, 40]
+    lc = length_controlled_win_rate(scores, scores, words, words)
+    assert lc["lc_win_rate_vs_base"] == pytest.approx(0.5) and lc["lc_win_rate_vs_base_ci95"] == [0.5, 0.5]
+
+
+def test_plots_are_pngs_and_embedded_in_the_report(tmp_path):
+    replies = {"base": ["short reply"] * 3 + ["a somewhat longer reply here"],
+               "grpo": ["much longer reply " * 5] * 4}
+    rewards = {"base": [0.1, 0.2, 0.0, 0.3], "grpo": [0.5, 0.4, 0.6, 0.7]}
+    plots = plot_distributions(tmp_path, replies, rewards)
+    assert len(plots) == 2
+    for path in plots.values():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+    results = {name: {"reward_mean": float(np.mean(r)), "win_rate_vs_base": 0.5, "win_rate_vs_base_ci95": [0.4, 0.6],
+                      "lc_win_rate_vs_base": 0.5, "lc_win_rate_vs_base_ci95": [0.3, 0.7], "bleu": 0.0,
+                      "rougeL": 0.0, "reply_words_mean": 3.0} for name, r in rewards.items()}
+    report = write_report(tmp_path / "report.md", "Nov30_Eval_Run1", results, _premises(4), replies, rewards, 2,
+                          plots, "The judge falls for pad_loser_filler.")
+    text = report.read_text()
+    for path in plots.values():
+        assert f"]({path.name})" in text
+    assert "LC win rate" in text and "0.50 [0.30, 0.70]" in text and "falls for pad_loser_filler" in text
+
+
+def test_watch_statistics():
+    assert distinct_n(["a b c d", "e f g h"]) == 1.0
+    assert distinct_n(["a b a b a b"] * 4) == pytest.approx(2 / 20)     # a collapsed, repetitive batch
+    premise = "school uniforms should be mandatory because they reduce bullying"
+    assert premise_overlap(premise, premise) == 1.0                   # an echo
+    assert premise_overlap(premise, "I disagree, freedom of expression matters more") == 0.0
+    stats = hacking_stats([premise, premise], ["one two three", "four five six seven eight"])
+    assert stats["reply_words"] == 4.0 and set(stats) == {"reply_words", "distinct_2", "premise_overlap"}
