@@ -267,6 +267,10 @@ def audit_judge(run_dir: Path, scorer, train: list[dict], dev: list[dict], chose
     """Stage 03's step: score the extra held-out splits, audit, write judge_audit.json beside the
     adapter, log the verdict; returns the summary that goes into metrics.json."""
     from common.runs import write_json
+    if not dev or not train:
+        write_json(Path(run_dir) / "judge_audit.json", {"skipped": "no train or dev pairs to audit on"})
+        log.warning("judge audit skipped: no train or dev pairs")
+        return {"skipped": True}
     extra = {}
     for name, rows in extra_splits.items():
         if rows:
