@@ -119,6 +119,8 @@ def train(trainer, run) -> dict:
 
 def save_adapter(model, tokenizer, run) -> Path:
     out = run.dir / "adapter"
+    if int(os.environ.get("RANK", "0")) != 0:  # one writer when every process of a launch gets here
+        return out
     model.save_pretrained(out)  # safetensors; for the reward model it holds the score head too
     tokenizer.save_pretrained(out)
     return out
