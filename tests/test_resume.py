@@ -49,19 +49,28 @@ def uninterrupted(tmp_path_factory, tiny_model, pairs_run) -> dict:
     return json.loads((run_dir_of(proc) / "metrics.json").read_text())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
-def test_stopped_run_resumes_to_the_same_step(tmp_path, pairs_run, uninterrupted, sig):
-    runs = tmp_path / "runs"
+def stop(runs: Path, pairs_run: Path, sig: int, total_steps: int) -> tuple[Path, Path, int]:
+    """Start a run, signal it once it trains; it must checkpoint and exit 75 without DONE."""
     proc, log = start_sft(runs, pairs_run, "--run_name", "stopped", "--save_steps", "1000")
     wait_for(lambda: "'loss'" in log.read_text(errors="replace"), proc, log)
     proc.send_signal(sig)
     assert proc.wait(timeout=120) == STOP_EXIT_CODE, log.read_text()[-3000:]
-
     run = runs / "stopped"
     assert not (run / "DONE").exists() and not (run / "metrics.json").exists()
     (checkpoint,) = (run / "checkpoints").glob("checkpoint-*")  # saved on the signal, not by save_steps
     stopped_at = int(checkpoint.name.split("-")[1])
-    assert 0 < stopped_at < uninterrupted["global_step"]
+    assert 0 < stopped_at < total_steps
+    return run, checkpoint, stopped_at
+
+
+def test_term_checkpoints_and_stops(tmp_path, pairs_run, uninterrupted):
+    # TERM is what Slurm sends every process of a preempted or cancelled job.
+    stop(tmp_path / "runs", pairs_run, signal.SIGTERM, uninterrupted["global_step"])
+
+
+def test_stopped_run_resumes_to_the_same_step(tmp_path, pairs_run, uninterrupted):
+    runs = tmp_path / "runs"
+    run, checkpoint, stopped_at = stop(runs, pairs_run, signal.SIGUSR1, uninterrupted["global_step"])
     (run / "checkpoints" / "checkpoint-999").mkdir()  # as a job killed while saving leaves one
 
     resumed = run_stage("02_train_sft.py", *SFT, "--runs_dir", runs, "--pairs_run", pairs_run,
