@@ -13,6 +13,7 @@ reply length (tokens and words), distinct-2 and overlap with the premise to metr
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from common.config import ModelArgs, RunArgs, TrainArgs
 from common.data import fit_prompt, load_split
+from common.generation import grpo_rollout, supports_fast_decode
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer, WatchedReward, watch_per_step
 from common.runs import Run, RunError, cli, write_json
@@ -45,6 +47,10 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
     # row leaves [ref / ratio, ref * ratio], ref = the first batch's mean. null turns it off.
     guard_max_length_ratio: float | None = 2.0
     guard_patience: int = 2
+    # "static": common.generation.decode (static KV cache, one CUDA graph a token, unmerged LoRA);
+    # "hf": TRL's own transformers generate. rollout_batch_size sequences are sampled at once.
+    rollout_backend: str = "static"
+    rollout_batch_size: int = 64
 
 
 def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Dataset:
@@ -55,6 +61,20 @@ def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Datase
             seen.add(row["group_id"])
             prompts.append({"prompt": fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)})
     return Dataset.from_list(prompts[: config.max_prompts])
+
+
+def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenizer) -> GRPOTrainer:
+    args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
+                        max_completion_length=config.max_completion_length,
+                        temperature=config.temperature, beta=config.beta, log_completions=False)
+    if config.rollout_backend not in ("static", "hf"):
+        raise ValueError(f"rollout_backend must be 'static' or 'hf', got {config.rollout_backend!r}")
+    rollout = None
+    if config.rollout_backend == "static" and supports_fast_decode(policy):
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
+        rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size)
+    return GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
+                       processing_class=tokenizer, rollout_func=rollout)
 
 
 def main(config: GRPOStageConfig, overrides: dict) -> None:
@@ -81,11 +101,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     run.save_manifest()
 
     # 4. GRPO (beta=0: no reference model; DAPO loss, group-scaled rewards: TRL's defaults).
-    args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
-                        max_completion_length=config.max_completion_length,
-                        temperature=config.temperature, beta=config.beta, log_completions=False)
-    trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
-                          processing_class=tokenizer)
+    trainer = build_trainer(config, run, policy, judge, prompts, tokenizer)
     trainer.add_callback(judge.stop_callback())  # the length guard stops training at a step's end
 
     # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.

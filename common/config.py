@@ -56,6 +56,10 @@ class TrainArgs:
     lr_scheduler_type: str = "cosine"
     weight_decay: float = 0.0
     gradient_checkpointing: bool = True
+    group_by_length: bool = False  # batches of similar length: little padding on real-length data
+    offload_activations: bool = False  # checkpointed layer inputs in CPU memory (very long inputs)
+    liger_kernel: bool = False  # Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU; package liger-kernel)
+    mlp_chunk_tokens: int = 0  # > 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)
     logging_steps: int = 10
     save_steps: int = 200
     max_train_examples: int | None = None  # a slice of the train split (demo, smoke runs)

@@ -55,7 +55,7 @@ class StopOnRequest(TrainerCallback):
 def trainer_args(cls, config: TrainArgs, run, **extra):
     """A TRL config (SFTConfig, RewardConfig, GRPOConfig) for this run: checkpoints inside the run
     directory, our optimisation fields, bf16 only on GPUs, W&B only when asked for."""
-    return cls(
+    args = cls(
         output_dir=str(run.dir / "checkpoints"),
         run_name=run.dir.name,
         seed=config.seed,
@@ -67,8 +67,9 @@ def trainer_args(cls, config: TrainArgs, run, **extra):
         warmup_steps=config.warmup_ratio,  # a float below 1 is a share of the steps
         lr_scheduler_type=config.lr_scheduler_type,
         weight_decay=config.weight_decay,
-        activation_checkpointing=config.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False},
+        **_checkpointing(cls, config),
+        # Real replies vary in length: batches of similar length carry little padding (bench/RESULTS.md).
+        train_sampling_strategy="group_by_length" if config.group_by_length else "random",
         logging_steps=config.logging_steps,
         logging_first_step=True,
         save_strategy="steps",
@@ -82,6 +83,107 @@ def trainer_args(cls, config: TrainArgs, run, **extra):
         **precision_flags(),
         **extra,
     )
+    args.offload_activations = config.offload_activations  # read by train()
+    args.liger_kernel = config.liger_kernel  # read by train(); not TrainingArguments' use_liger_kernel (below)
+    args.mlp_chunk_tokens = config.mlp_chunk_tokens
+    return args
+
+
+def _checkpointing(cls, config: TrainArgs) -> dict:
+    """Activation checkpointing under the name this transformers has (5.24: activation_*, 5.17: gradient_*).
+    With offload_activations the reentrant variant is needed: it saves each layer's input through
+    autograd's saved-tensor hooks, which save_on_cpu moves to CPU memory (the non-reentrant variant
+    keeps it on the GPU)."""
+    import dataclasses
+    prefix = "activation" if "activation_checkpointing" in {f.name for f in dataclasses.fields(cls)} else "gradient"
+    return {f"{prefix}_checkpointing": config.gradient_checkpointing,
+            f"{prefix}_checkpointing_kwargs": {"use_reentrant": bool(config.offload_activations)}}
+
+
+def _add_length_column(trainer) -> None:
+    """group_by_length: the sampler reads lengths from `input_ids` (SFT); a preference dataset
+    (chosen_ids, rejected_ids) gets a `length` column, the longer reply of each pair (the collator pads
+    both to it), kept through the trainer's column filter."""
+    data, name = trainer.train_dataset, trainer.args.length_column_name
+    if getattr(trainer.args, "train_sampling_strategy", None) != "group_by_length" or data is None \
+            or not hasattr(data, "column_names") or "input_ids" in data.column_names or name in data.column_names:
+        return
+    id_columns = [c for c in data.column_names if c.endswith("_ids")]
+    if not id_columns:
+        return
+    trainer.train_dataset = data.map(lambda row: {name: max(len(row[c]) for c in id_columns)})
+    trainer._set_signature_columns_if_needed()
+    trainer._signature_columns = list(trainer._signature_columns) + [name]
+
+
+def _apply_liger_kernels(trainer) -> None:
+    """Liger's Triton RMSNorm, SwiGLU and RoPE in the trained model (and a GRPO judge's model): fused
+    element-wise passes that also save less for backward (bench/RESULTS.md). The loss stays TRL's:
+    `use_liger_kernel=True` would also swap in Liger's fused cross-entropy forward, which a sequence
+    classifier lacks (lm_head error) and which TRL's own fused LM head replaces anyway."""
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    except ImportError:
+        log.warning("liger_kernel: true but the liger-kernel package is missing (pip install liger-kernel==0.8.5): "
+                    "training runs without its kernels, slower")
+        return
+    judges = [getattr(f, "scorer", f) for f in getattr(trainer, "reward_funcs", [])]  # WatchedReward wraps one
+    models = [trainer.model] + [getattr(j, "model", None) for j in judges]
+    for model in models:
+        if model is not None and not getattr(model, "_liger_applied", False):
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            _apply_liger_kernel_to_instance(base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                            fused_linear_cross_entropy=False)
+            model._liger_applied = True
+
+
+def _chunk_mlps(model, tokens: int) -> None:
+    """Very long inputs: each MLP runs over the sequence in pieces of `tokens`, each checkpointed, so that
+    in backward only one piece's 14336-wide intermediates are alive (about 3 GiB less at 32k tokens,
+    for one more MLP forward). Applied after Liger, whose SwiGLU it then wraps."""
+    from torch.utils.checkpoint import checkpoint
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
+        def chunked(x, forward=layer.mlp.forward):
+            if x.shape[1] <= tokens or not torch.is_grad_enabled():
+                return forward(x)
+            return torch.cat([checkpoint(forward, part, use_reentrant=False) for part in x.split(tokens, dim=1)],
+                             dim=1)
+        layer.mlp.forward = chunked
+
+
+def _unmask_right_padding(model) -> None:
+    """A right-padded training batch needs no attention mask: under causal attention no real token sees
+    the padding after it, and pad positions carry no loss (labels -100; the reward head reads the last
+    real token). Without the mask SDPA runs its flash kernel instead of the masked one, which real-length
+    batches otherwise pay for (bench/RESULTS.md). Left padding (GRPO's prompts) keeps its mask."""
+    def drop_mask(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if module.training and isinstance(mask, torch.Tensor) and mask.dim() == 2 \
+                and bool((mask[:, 1:] <= mask[:, :-1]).all()):
+            return args, {**kwargs, "attention_mask": None}
+        return None
+
+    model.register_forward_pre_hook(drop_mask, with_kwargs=True)
+
+
+def _offload_saved_activations(model) -> None:
+    """Inside each training forward, keep what autograd saves for backward (with reentrant
+    checkpointing: each layer's input) in pinned CPU memory; 32k-token inputs then fit a small GPU."""
+    active = []
+
+    def enter(module, args):
+        if module.training and torch.is_grad_enabled():
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            ctx.__enter__()
+            active.append(ctx)
+
+    def leave(module, args, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)
 
 
 def last_checkpoint(folder: Path) -> str | None:
@@ -102,6 +204,14 @@ def train(trainer, run) -> dict:
         log.info("resuming from %s", checkpoint)
     stopper = StopOnRequest()
     trainer.add_callback(stopper)
+    _add_length_column(trainer)
+    _unmask_right_padding(trainer.model)
+    if getattr(trainer.args, "offload_activations", False):
+        _offload_saved_activations(trainer.model)
+    if getattr(trainer.args, "liger_kernel", False) and torch.cuda.is_available():  # Triton: GPUs only
+        _apply_liger_kernels(trainer)
+    if getattr(trainer.args, "mlp_chunk_tokens", 0):
+        _chunk_mlps(trainer.model, trainer.args.mlp_chunk_tokens)
     previous = {sig: signal.signal(sig, stopper.request) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)

@@ -1,0 +1,677 @@
+"""Speed and memory of every stage, the pipeline's settings side by side with TRL's defaults.
+
+    python bench/bench.py --out bench/out            # one GPU: a random Llama 3 8B-shaped model in 4-bit
+    python bench/bench.py --tiny --out /tmp/bench    # CPU smoke run of the same code on the tiny model
+
+Everything goes through the pipeline's own code: `load_model` (4-bit NF4 + rank-64 rsLoRA),
+`trainer_args`, the stage scripts' dataset builders and trainers, with the llama3-8b recipe's
+configs (the fast settings). "trl" rows run the same model and data with TRL 1.16's default
+arguments (the pipeline before this bench: random batches, HF `generate`, 16 completions a step).
+Weights are random (no model hub): compute and memory are those of the real model. The text is
+one repeated word, sized so that each example has the token length of a real ChangeMyView example
+(bench/cmv_lengths.json, from words x 1.3, cut as the stages cut); the stand-in tokenizer is the
+tiny recipe's (2k ids), and generated ids beyond it decode as that word, so replies keep their
+length for the reward model. Results: results.json (and a table on stdout) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+START = time.time()
+
+
+def _stub_metric_packages():
+    """common.metrics imports rouge_score and sacrebleu at the top; a GPU image may lack them (and
+    their NLTK dependency). The bench computes no text metric, so empty stand-ins let the stage
+    modules import there; with the real packages installed nothing is replaced."""
+    import types
+    for name, attr in (("rouge_score", "rouge_scorer"), ("sacrebleu", "metrics")):
+        if importlib.util.find_spec(name) is None:
+            package, sub = types.ModuleType(name), types.ModuleType(f"{name}.{attr}")
+            sub.RougeScorer = sub.BLEU = None
+            setattr(package, attr, sub)
+            sys.modules[name], sys.modules[f"{name}.{attr}"] = package, sub
+
+
+_stub_metric_packages()
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
+LENGTHS = REPO / "bench" / "cmv_lengths.json"
+GIB = 2 ** 30
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
+                 eos_token_id=128009, max_position_embeddings=131072, tie_word_embeddings=False)
+
+
+def stage(filename: str):
+    spec = importlib.util.spec_from_file_location("stage_" + filename[:2], REPO / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the length distribution of the real data ----------------------------------------------------
+
+def make_lengths(path: Path = LENGTHS) -> dict:
+    """Token lengths of the bundled ChangeMyView pairs as the stages cut them (prompt <= 512 tokens,
+    prompt + reply <= 768), approximated as ceil(words x 1.3) (no Llama tokenizer here) plus the
+    Llama 3 chat template's tokens (5 around the prompt, 1 closing the reply)."""
+    from common.data import read_jsonl
+    from common.tasks.cmv import to_pair
+    pairs = [p for p in (to_pair(r, w, 470) for w, r in read_jsonl(REPO / "data/cmv/cmv_pairs.jsonl.gz"))
+             if isinstance(p, dict)]
+    words = lambda s: math.ceil(1.3 * len(s.split()))  # noqa: E731
+    out = {"method": "ceil(1.3 x words) + chat-template tokens; prompt cut at 512, prompt + reply at 768",
+           "source": "data/cmv/cmv_pairs.jsonl.gz (all pairs, premise cut at 470 words as stage 01)",
+           "sft": [], "reward": [], "prompts": []}
+    seen = set()
+    for p in pairs:
+        prompt = min(512, words(p["prompt"][0]["content"]) + 5)
+        reply = lambda text: min(words(text), 768 - prompt - 1) + 1  # noqa: E731
+        out["sft"].append([prompt, reply(p["chosen"])])
+        out["reward"].append([prompt, reply(p["chosen"]), reply(p["rejected"])])
+        if p["group_id"] not in seen:
+            seen.add(p["group_id"])
+            out["prompts"].append(prompt)
+    path.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    return out
+
+
+# --- synthetic rows of given token lengths -------------------------------------------------------
+
+class Words:
+    """Text of an exact token length for the stand-in tokenizer: one word repeated."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.word_id = tokenizer(" the", add_special_tokens=False)["input_ids"][0]
+        empty = tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True,
+                                              tokenize=True)
+        self.prompt_overhead = len(empty["input_ids"] if hasattr(empty, "keys") else empty)
+
+    @staticmethod
+    def text(n: int) -> str:
+        return ("the" + " the" * (n - 1)) if n > 0 else ""
+
+    def prompt(self, n_tokens: int) -> list[dict]:
+        return [{"role": "user", "content": self.text(max(1, n_tokens - self.prompt_overhead))}]
+
+
+def scale(lengths, factor):
+    return [[max(2, int(x * factor)) for x in row] if isinstance(row, list) else max(2, int(row * factor))
+            for row in lengths]
+
+
+def step_batches(items, batch, n_steps, grouped, seed, key=sum):
+    """n_steps optimiser-step batches (of `batch` examples), drawn at random from one epoch over all
+    `items` as the sampler forms them: transformers' LengthGroupedSampler (grouped) or random order."""
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+    g = torch.Generator().manual_seed(seed)
+    if grouped:
+        order = get_length_grouped_indices([key(x) for x in items], batch, generator=g)
+    else:
+        order = torch.randperm(len(items), generator=g).tolist()
+    steps = [order[i:i + batch] for i in range(0, len(order) - batch + 1, batch)]
+    chosen = random.Random(seed).sample(steps, min(n_steps, len(steps)))
+    return [items[i] for step in chosen for i in step]
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def mem_reset():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.times = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        sync()
+        self.times.append(time.perf_counter())
+
+
+def count_tokens(trainer, sink):
+    """Wrap the collator: real (non-pad) and padded tokens of every micro-batch, in order."""
+    collate = trainer.data_collator
+
+    def wrapped(examples):
+        batch = collate(examples)
+        ids = batch["input_ids"]
+        real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
+        sink.append((real, ids.numel()))
+        return batch
+    trainer.data_collator = wrapped
+
+
+def fresh_adapter(model):
+    """A new LoRA adapter on the same 4-bit base, so that every variant starts alike."""
+    for module in model.modules():
+        if hasattr(module, "reset_lora_parameters") and "default" in getattr(module, "lora_A", {}):
+            module.reset_lora_parameters("default", True)
+    model.zero_grad(set_to_none=True)
+    base = model.get_base_model()
+    if getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False)):
+        base.gradient_checkpointing_disable()
+
+
+def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
+    """Train; tokens/s over the steps after the first `warmup_steps` (kernel selection, allocator)."""
+    tokens, clock = [], StepClock()
+    count_tokens(trainer, tokens)
+    trainer.add_callback(clock)
+    trainer.args.train_sampling_strategy = "sequential"  # the batches were drawn by step_batches
+    mem_reset()
+    sync()
+    start = time.perf_counter()
+    if pipeline:  # through the stages' train(): its right-padding, offload and Liger settings apply
+        from common.training import train
+        train(trainer, SimpleNamespace(dir=Path(trainer.args.output_dir).parent))
+    else:
+        trainer.train()
+    peak = peak_gib()
+    w = min(warmup_steps, len(clock.times) - 1)
+    t0 = clock.times[w - 1] if w > 0 else start
+    measured = tokens[w * micro_per_step: len(clock.times) * micro_per_step]
+    seconds = clock.times[-1] - t0
+    real, padded = sum(r for r, _ in measured), sum(p for _, p in measured)
+    return {"steps_timed": len(clock.times) - w, "seconds": round(seconds, 3),
+            "real_tokens": real, "padded_tokens": padded, "real_share": round(real / max(padded, 1), 3),
+            "tokens_per_s": round(real / seconds, 1), "peak_gib": peak}
+
+
+# --- the bench -----------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args):
+        self.args, self.tiny = args, args.tiny
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(args.work)
+        self.start = START  # the deadline counts the model build too
+        self.results = {"meta": meta(args), "rows": [], "errors": []}
+        self.lengths = json.loads(LENGTHS.read_text()) if LENGTHS.is_file() else make_lengths()
+        f = 1 / 8 if self.tiny else 1.0  # tiny: lengths / 8 (CPU)
+        self.f = f
+        self.sft_lengths = scale(self.lengths["sft"], f)
+        self.reward_lengths = scale(self.lengths["reward"], f)
+        self.prompt_lengths = scale(self.lengths["prompts"], f)
+        self.max_prompt, self.max_length = int(512 * f), int(768 * f)
+        self.steps = 2 if self.tiny else args.steps
+        self.sft_mod, self.reward_mod, self.grpo_mod = stage("02_train_sft.py"), stage("03_train_reward.py"), \
+            stage("04_train_grpo.py")
+        self.model_path = str(TINY_MODEL if self.tiny else args.model)
+        self.other_resident = 0.0  # GiB of another stage's model kept on the GPU meanwhile
+
+    def left(self):
+        return self.args.deadline - (time.time() - self.start)
+
+    def record(self, row):
+        row["at_s"] = round(time.time() - self.start, 1)
+        if row.get("peak_gib") is not None:
+            row["peak_gib_raw"] = round(row["peak_gib"], 3)
+            row["peak_gib"] = round(row["peak_gib"] - self.other_resident, 3)
+        self.results["rows"].append(row)
+        print("RESULT", json.dumps(row), flush=True)
+        self.save()
+
+    def save(self):
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
+
+    def guarded(self, name, fn, need_s=0):
+        if self.left() < need_s:
+            self.results["errors"].append({"name": name, "error": f"skipped: {self.left():.0f} s left"})
+            print(f"SKIP {name}", flush=True)
+            return
+        print(f"=== {name} ({self.left():.0f} s left)", flush=True)
+        try:
+            fn()
+        except Exception as err:  # one failed measurement must not cost the others
+            traceback.print_exc()
+            self.results["errors"].append({"name": name, "error": f"{type(err).__name__}: {err}"[:2000]})
+            self.save()
+        finally:
+            mem_reset()
+
+    def config(self, module, cls_name, yaml_name, **over):
+        """The llama3-8b recipe's config for a stage (its fast settings), with the bench's overrides."""
+        from common.config import parse_config
+        argv = ["--config", str(REPO / "configs/llama3-8b" / yaml_name), "--model_name_or_path", self.model_path,
+                "--report_to", "none", "--save_steps", "1000000", "--logging_steps", "1000000"]
+        for key, value in over.items():
+            argv += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
+        return parse_config(getattr(module, cls_name), argv)[0]
+
+    def run_dir(self, name):
+        path = self.work / name
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return SimpleNamespace(dir=path)
+
+    # SFT -----------------------------------------------------------------------------------------
+    def sft_rows(self, lengths):
+        return [{"prompt": self.words.prompt(p), "chosen": Words.text(r - 1)} for p, r in lengths]
+
+    def sft(self, name, kind, lengths, ours, **over):
+        import trl
+        cfg = self.config(self.sft_mod, "SFTStageConfig", "02_train_sft.yaml", max_steps=self.steps,
+                          max_prompt_tokens=self.max_prompt, max_length=self.max_length,
+                          per_device_train_batch_size=4 if self.tiny else 8, **over)
+        ga = cfg.gradient_accumulation_steps if ours else 1
+        rows = self.sft_rows(step_batches(lengths, cfg.per_device_train_batch_size * ga, self.steps, ours and
+                                          cfg.group_by_length, seed=1) if kind == "real" else lengths)
+        fresh_adapter(self.policy)
+        run = self.run_dir(name)
+        if ours:
+            trainer = self.sft_mod.build_trainer(cfg, run, self.policy, self.tokenizer, rows, [])
+        else:  # TRL's defaults, same model and data
+            args = trl.SFTConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
+                                 max_steps=self.steps, report_to="none", save_strategy="no", disable_tqdm=True,
+                                 per_device_train_batch_size=cfg.per_device_train_batch_size,
+                                 **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+            args.offload_activations = False
+            trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
+                                     train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg))
+        r = train_run(trainer, ga, ours)
+        self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
+                     "per_device": cfg.per_device_train_batch_size, "grad_accum": ga,
+                     "checkpointing": cfg.gradient_checkpointing, "group_by_length": cfg.group_by_length and ours,
+                     "liger": cfg.liger_kernel and ours, **r})
+        del trainer
+
+    # whole-paper training --------------------------------------------------------------------------
+    def long(self, ours, **over):
+        import trl
+        n = 512 if self.tiny else self.args.long_tokens
+        reply = n // 48
+        cfg = self.config(self.sft_mod, "SFTStageConfig", "02_train_sft.yaml", max_steps=3,
+                          max_prompt_tokens=n - reply, max_length=n, per_device_train_batch_size=1,
+                          gradient_accumulation_steps=1, offload_activations=ours, **over)
+        rows = self.sft_rows([[n - reply, reply - 1]] * 3)
+        fresh_adapter(self.policy)
+        run = self.run_dir("long")
+        if ours:
+            trainer = self.sft_mod.build_trainer(cfg, run, self.policy, self.tokenizer, rows, [])
+        else:
+            args = trl.SFTConfig(output_dir=str(run.dir / "checkpoints"), max_length=n, max_steps=3,
+                                 per_device_train_batch_size=1, report_to="none", save_strategy="no",
+                                 disable_tqdm=True, **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+            trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
+                                     train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg))
+        r = train_run(trainer, 1, ours)
+        self.record({"stage": "long", "name": f"long_{n}_{'ours' if ours else 'trl'}" + ("_chunked" if
+                     cfg.mlp_chunk_tokens else ""), "setting": "ours" if ours else "trl", "tokens": n,
+                     "offload_activations": ours, "liger": cfg.liger_kernel and ours,
+                     "mlp_chunk_tokens": cfg.mlp_chunk_tokens, **r})
+        del trainer
+        _remove_offload_hooks(self.policy)
+        _remove_mlp_chunking(self.policy)
+
+    # eval generation -------------------------------------------------------------------------------
+    def evalgen(self, ours):
+        import common.generation as gen
+        import yaml
+        cfg = SimpleNamespace(batch_size=16, repetition_penalty=1.0)
+        cfg.__dict__.update(yaml.safe_load((REPO / "configs/llama3-8b/05_eval.yaml").read_text()))
+        n, new = (cfg.batch_size, 256) if ours else (16, 64)
+        if self.tiny:
+            n, new = 4, 8
+        lengths = random.Random(2).sample(self.prompt_lengths, n)
+        prompts = [self.words.prompt(p) for p in lengths]
+        fresh_adapter(self.policy)
+        fast = gen.supports_fast_decode
+        gen.supports_fast_decode = fast if ours else (lambda model: False)
+        try:
+            gen.generate_replies(self.policy, self.tokenizer, prompts[:2], 4, cfg.batch_size)  # warm-up
+            mem_reset()
+            sync()
+            t = time.perf_counter()
+            gen.generate_replies(self.policy, self.tokenizer, prompts, new, cfg.batch_size if ours else 16,
+                                 cfg.repetition_penalty)
+            sync()
+            seconds = time.perf_counter() - t
+        finally:
+            gen.supports_fast_decode = fast
+        self.policy.train()
+        self.record({"stage": "eval", "name": "eval_" + ("ours" if ours else "trl"), "setting": "ours" if ours
+                     else "trl", "backend": "static+cuda-graph" if ours else "hf-generate",
+                     "sequences": n, "batch": cfg.batch_size if ours else 16, "new_tokens_each": new,
+                     "seconds": round(seconds, 3), "new_tokens_per_s": round(n * new / seconds, 1),
+                     "peak_gib": peak_gib()})
+
+    # reward ----------------------------------------------------------------------------------------
+    def reward(self, name, kind, lengths, ours, **over):
+        import trl
+        cfg = self.config(self.reward_mod, "RewardStageConfig", "03_train_reward.yaml", max_steps=self.steps,
+                          max_prompt_tokens=self.max_prompt, max_length=self.max_length,
+                          per_device_train_batch_size=4 if self.tiny else 8, **over)
+        ga = cfg.gradient_accumulation_steps if ours else 1
+        items = step_batches(lengths, cfg.per_device_train_batch_size * ga, self.steps,
+                             ours and cfg.group_by_length, seed=3,  # the longer reply sets the padding
+                             key=lambda x: x[0] + max(x[1], x[2])) if kind == "real" else lengths
+        rows = [{"prompt": self.words.prompt(p), "chosen": Words.text(c - 1), "rejected": Words.text(j - 1)}
+                for p, c, j in items]
+        fresh_adapter(self.judge_model)
+        run = self.run_dir(name)
+        from common.rewards import RewardScorer
+        scorer = RewardScorer(self.judge_model, self.tokenizer, cfg.max_prompt_tokens, cfg.max_length)
+        data = self.reward_mod.preference_dataset(rows, scorer)  # encoded by the scorer, as stage 03 does
+        if ours:
+            from common.training import trainer_args
+            args = trainer_args(trl.RewardConfig, cfg, run, max_length=cfg.max_length)
+        else:
+            args = trl.RewardConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
+                                    max_steps=self.steps, report_to="none", save_strategy="no", disable_tqdm=True,
+                                    per_device_train_batch_size=cfg.per_device_train_batch_size,
+                                    **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+        trainer = trl.RewardTrainer(model=self.judge_model, args=args, processing_class=self.tokenizer,
+                                    train_dataset=data)
+        r = train_run(trainer, ga, ours)
+        self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
+                     "pairs_per_device": cfg.per_device_train_batch_size, "grad_accum": ga,
+                     "group_by_length": cfg.group_by_length and ours, "liger": cfg.liger_kernel and ours, **r})
+        del trainer
+
+    # GRPO ------------------------------------------------------------------------------------------
+    def grpo(self, ours, steps, **over):
+        from common.rewards import RewardScorer
+        over = over if ours else {"rollout_backend": "hf", "gradient_accumulation_steps": 1}
+        cfg = self.config(self.grpo_mod, "GRPOStageConfig", "04_train_grpo.yaml", max_steps=steps,
+                          max_prompt_tokens=self.max_prompt, **over,
+                          **({"max_completion_length": 8, "per_device_train_batch_size": 8} if self.tiny else {}))
+        pairs = self.work / "pairs"
+        pairs.mkdir(parents=True, exist_ok=True)
+        lengths = random.Random(4).sample(self.prompt_lengths, min(len(self.prompt_lengths), 256))
+        with open(pairs / "train.jsonl", "w") as f:
+            for i, p in enumerate(lengths):
+                f.write(json.dumps({"group_id": f"g{i}", "prompt": self.words.prompt(p)}) + "\n")
+        self.tokenizer.padding_side = "left"
+        prompts = self.grpo_mod.prompt_dataset(str(pairs), self.tokenizer, cfg)
+        fresh_adapter(self.policy)
+        self.judge_model.eval()
+        judge = RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length, cfg.reward_batch_size)
+        trainer = self.grpo_mod.build_trainer(cfg, self.run_dir("grpo"), self.policy, judge, prompts, self.tokenizer)
+        timing = {"rollout_s": [], "new_tokens": [], "reward_s": []}
+        generate = trainer._generate
+
+        def timed_generate(*a, **k):
+            sync()
+            t = time.perf_counter()
+            out = generate(*a, **k)
+            sync()
+            timing["rollout_s"].append(time.perf_counter() - t)
+            timing["new_tokens"].append(sum(len(c) for c in out[1]))
+            return out
+        trainer._generate = timed_generate
+        score = judge.score
+
+        def timed_score(*a, **k):
+            t = time.perf_counter()
+            out = score(*a, **k)
+            timing["reward_s"].append(time.perf_counter() - t)
+            return out
+        judge.score = timed_score
+        clock = StepClock()
+        trainer.add_callback(clock)
+        mem_reset()
+        sync()
+        t0 = time.perf_counter()
+        from common.training import train
+        train(trainer, SimpleNamespace(dir=self.work / "grpo"))
+        per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        times = [t0] + clock.times
+        secs = [b - a for a, b in zip(times, times[1:])]
+        timed = secs[1:] or secs  # the first step carries the warm-up
+        step_s = sum(timed) / len(timed)
+        gens = timing["rollout_s"][1:] or timing["rollout_s"]
+        toks = timing["new_tokens"][1:] or timing["new_tokens"]
+        premises_per_step = per_step / cfg.num_generations
+        self.record({"stage": "grpo", "name": "grpo_" + ("ours" if ours else "trl"), "setting": "ours" if ours
+                     else "trl", "rollout_backend": cfg.rollout_backend, "rollout_batch": cfg.rollout_batch_size,
+                     "completions_per_step": per_step,
+                     "generation_batch": per_step, "max_completion_length": cfg.max_completion_length,
+                     "steps_timed": len(timed), "step_seconds": [round(s, 2) for s in secs],
+                     "seconds_per_step": round(step_s, 3),
+                     "rollout_seconds": [round(s, 2) for s in timing["rollout_s"]],
+                     "reward_seconds_total": round(sum(timing["reward_s"]), 2),
+                     "rollout_new_tokens_per_s": round(sum(toks) / max(sum(gens), 1e-9), 1),
+                     "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),
+                     "peak_gib": peak_gib()})
+        judge.score = score
+        del trainer
+
+    # ------------------------------------------------------------------------------------------------
+    def run(self, sections):
+        from common.config import ModelArgs
+        from common.model import CAUSAL_LM, SEQ_CLS, load_model, load_tokenizer
+        margs = ModelArgs(model_name_or_path=self.model_path)
+        self.tokenizer = load_tokenizer(margs)
+        self.words = Words(self.tokenizer)
+        _map_unknown_ids(self.tokenizer, self.words.word_id)
+        t = time.perf_counter()
+        self.policy = load_model(margs, CAUSAL_LM, tokenizer=self.tokenizer)
+        self.results["meta"]["load_causal_s"] = round(time.perf_counter() - t, 1)
+        self.results["meta"]["causal_model_gib"] = _allocated()
+        print("loaded policy", self.results["meta"], flush=True)
+        # Every TRL-default row first: Liger (on in the recipe) patches the model's layers for good.
+        S, L = self.sft_lengths, self.max_length
+        uniform_sft = [[self.max_prompt, L - self.max_prompt]] * (self.steps * 16)
+        uniform_rw = [[self.max_prompt, L - self.max_prompt, L - self.max_prompt]] * (self.steps * 16)
+        g = self.guarded
+        if "sft" in sections:
+            if "uniform" in self.args.batches:
+                g("sft uniform trl", lambda: self.sft("sft_uniform_trl", "uniform", uniform_sft, False), 40)
+            g("sft real trl", lambda: self.sft("sft_real_trl", "real", S, False), 40)
+        if "long" in sections:
+            g("long trl", lambda: self.long(False), 60)
+        if "eval" in sections:
+            g("eval trl", lambda: self.evalgen(False), 60)
+        if {"reward", "grpo"} & set(sections):
+            before = _allocated() or 0.0
+            t = time.perf_counter()
+            self.judge_model = load_model(margs, SEQ_CLS, tokenizer=self.tokenizer)
+            self.results["meta"]["load_seqcls_s"] = round(time.perf_counter() - t, 1)
+            self.results["meta"]["seqcls_model_gib"] = judge_gib = round((_allocated() or 0.0) - before, 3)
+            self.results["meta"]["causal_resident_gib"] = before
+        if "reward" in sections:
+            self.other_resident = before  # the policy stays loaded: not part of the reward stage's memory
+            if "uniform" in self.args.batches:
+                g("reward uniform trl", lambda: self.reward("reward_uniform_trl", "uniform", uniform_rw, False), 40)
+            g("reward real trl", lambda: self.reward("reward_real_trl", "real", self.reward_lengths, False), 40)
+            self.other_resident = 0.0
+        if "grpo" in sections:
+            g("grpo trl", lambda: self.grpo(False, 1), 80)  # one step: about 45 s of HF generate
+        # The pipeline's settings; the judge's 4-bit model is loaded meanwhile: its bytes are subtracted.
+        self.other_resident = judge_gib if {"reward", "grpo"} & set(sections) else 0.0
+        if "eval" in sections:
+            g("eval ours", lambda: self.evalgen(True), 30)
+        if "sft" in sections:
+            if "uniform" in self.args.batches:
+                g("sft uniform ours", lambda: self.sft("sft_uniform_ours", "uniform", uniform_sft, True), 40)
+            g("sft real ours", lambda: self.sft("sft_real_ours", "real", S, True), 40)
+        if "long" in sections:
+            g("long ours", lambda: self.long(True), 45)
+            g("long ours chunked", lambda: self.long(True, mlp_chunk_tokens=4096), 45)
+        if "reward" in sections:
+            self.other_resident = before
+            if "uniform" in self.args.batches:
+                g("reward uniform ours", lambda: self.reward("reward_uniform_ours", "uniform", uniform_rw, True), 40)
+            g("reward real ours", lambda: self.reward("reward_real_ours", "real", self.reward_lengths, True), 40)
+        self.other_resident = 0.0
+        if "grpo" in sections:
+            g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else 3), 60)
+            grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
+            if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
+                g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
+
+def _allocated():
+    return round(torch.cuda.memory_allocated() / GIB, 3) if torch.cuda.is_available() else None
+
+
+def _remove_mlp_chunking(model):
+    for layer in model.get_base_model().model.layers:
+        forward = layer.mlp.forward
+        if getattr(forward, "__name__", "") == "chunked":
+            layer.mlp.forward = forward.__defaults__[0]
+
+
+def _remove_offload_hooks(model):
+    model._forward_pre_hooks.clear()
+    model._forward_hooks.clear()
+
+
+def _map_unknown_ids(tokenizer, word_id):
+    """The random 128k-vocabulary model samples ids the 2k stand-in tokenizer lacks: decode them as
+    the repeated word, so that a reply keeps its token length when the reward model re-encodes it."""
+    n, decode = len(tokenizer), tokenizer.batch_decode
+
+    def batch_decode(sequences, **kwargs):
+        return decode([[t if t < n else word_id for t in seq] for seq in sequences], **kwargs)
+    tokenizer.batch_decode = batch_decode
+
+
+def build_random_model(path: Path, tokenizer_from: Path = TINY_MODEL) -> None:
+    """A random-initialised Llama 3 8B shape (bf16 safetensors), made on the GPU, with the stand-in
+    tokenizer beside it. Loaded later through load_model, 4-bit quantisation included."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if (path / "config.json").is_file():
+        return
+    t = time.perf_counter()
+    config = LlamaConfig(**LLAMA3_8B, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(previous)
+    model.save_pretrained(path)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, path / name)
+    print(f"built {path} in {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def meta(args) -> dict:
+    import peft
+    import transformers
+    import trl
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "host": platform.node(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny}
+    try:
+        import bitsandbytes
+        info["bitsandbytes"] = bitsandbytes.__version__
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count_visible"] = torch.cuda.device_count()
+    return info
+
+
+def table(results) -> str:
+    """Markdown table: each measurement and its ratio to TRL's defaults on the same work."""
+    rows = results["rows"]
+    base = {}
+    for r in rows:
+        if r["setting"] == "trl":
+            base[(r["stage"], r.get("batches"))] = r
+    lines = ["| row | stage | batches | setting | throughput | peak GiB | vs TRL defaults |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["stage"] == "grpo":
+            value = (f"{r['seconds_per_step']} s/step ({r['completions_per_step']} completions), rollout "
+                     f"{r['rollout_new_tokens_per_s']} new tok/s, 1,000 premises: {r['projected_1000_premises_min']} min")
+            key = "projected_1000_premises_min"
+        elif r["stage"] == "eval":
+            value, key = f"{r['new_tokens_per_s']} new tok/s ({r['sequences']} x {r['new_tokens_each']})", "new_tokens_per_s"
+        else:
+            value, key = f"{r['tokens_per_s']} real tok/s (real share {r['real_share']})", "tokens_per_s"
+        ref = base.get((r["stage"], r.get("batches")))
+        ratio = ""
+        if ref is not None and ref is not r and ref.get(key):
+            x = ref[key] / r[key] if key == "projected_1000_premises_min" else r[key] / ref[key]
+            ratio = f"{x:.2f}x faster"
+            if r.get("peak_gib") is not None and ref.get("peak_gib"):
+                ratio += f", {r['peak_gib'] / ref['peak_gib']:.2f}x memory"
+        peak = "" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        lines.append(f"| {r['name']} | {r['stage']} | {r.get('batches', r.get('tokens', ''))} | {r['setting']} | {value} | {peak} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="the tiny local model on the CPU (smoke run)")
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--work", default="/tmp/bench-work", help="scratch run directories")
+    ap.add_argument("--model", default="/tmp/llama3-8b-random", help="built here when missing (GPU)")
+    ap.add_argument("--sections", default="sft,long,eval,reward,grpo")
+    ap.add_argument("--steps", type=int, default=8, help="optimiser steps per training measurement")
+    ap.add_argument("--batches", default="uniform,real", help="which SFT/reward batch kinds to measure")
+    ap.add_argument("--long_tokens", type=int, default=32768)
+    ap.add_argument("--deadline", type=float, default=540, help="seconds: later measurements are skipped")
+    ap.add_argument("--make_lengths", action="store_true", help="rewrite bench/cmv_lengths.json and exit")
+    args = ap.parse_args(argv)
+    if args.make_lengths:
+        make_lengths()
+        return
+    if not args.tiny:
+        if not torch.cuda.is_available():
+            sys.exit("no GPU: use --tiny for the CPU smoke run")
+        build_random_model(Path(args.model))
+    bench = Bench(args)
+    bench.results["meta"]["build_and_setup_s"] = round(time.time() - bench.start, 1)
+    bench.run(args.sections.split(","))
+    bench.results["meta"]["total_s"] = round(time.time() - bench.start, 1)
+    from common.generation import GRAPH_FAILURES
+    bench.results["meta"]["cuda_graph_failures"] = GRAPH_FAILURES
+    bench.save()
+    text = table(bench.results)
+    (Path(args.out) / "table.md").write_text(text + "\n")
+    print(text)
+    for e in bench.results["errors"]:
+        print("ERROR", e["name"], e["error"][:300])
+
+
+if __name__ == "__main__":
+    main()

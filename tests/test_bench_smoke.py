@@ -1,0 +1,134 @@
+"""The bench harness and the speed changes it measures, on the CPU with the tiny model.
+
+GPU-only parts are skipped here and named so: CUDA-graph decoding, Liger kernels, peak memory.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lora_tiny(tiny_model):
+    """The tiny Llama in fp32 with a LoRA adapter whose B is not zero (so the adapter matters)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval(), AutoTokenizer.from_pretrained(tiny_model)
+
+
+def _left_padded(prompts, pad):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty):
+    from common.generation import decode, eos_ids
+    model, tok = lora_tiny
+    prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
+    eos = eos_ids(model, tok)
+    # prefill_tokens=40: one prompt row at a time, as large batches are prefilled on the GPU
+    ours = decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, repetition_penalty=penalty,
+                  prefill_tokens=40)
+    ids, mask = _left_padded(prompts, tok.pad_token_id)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         repetition_penalty=penalty, pad_token_id=tok.pad_token_id, eos_token_id=eos)
+    for mine, theirs in zip(ours, ref[:, ids.shape[1]:].tolist()):
+        assert mine == theirs[:len(mine)]
+
+
+def test_sampled_decode_stops_at_end_token(lora_tiny):
+    from common.generation import decode
+    model, tok = lora_tiny
+    torch.manual_seed(1)
+    out = decode(model, [[0, 3, 442, 271, 4, 20, 21]] * 6, 12, [tok.eos_token_id], tok.pad_token_id, temperature=1.0)
+    assert all(1 <= len(o) <= 12 for o in out)
+    assert all(tok.eos_token_id not in o[:-1] for o in out)  # cut right after the first end token
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: CUDA-graph decode (bench/bench.py measures it)")
+def test_cuda_graph_decode_equals_eager(lora_tiny):
+    from common.generation import GRAPH_FAILURES, decode
+    model, tok = lora_tiny
+    model = model.cuda()
+    prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17)]
+    eager = decode(model, prompts, 16, [tok.eos_token_id], tok.pad_token_id, temperature=0.0, cuda_graph=False)
+    graph = decode(model, prompts, 16, [tok.eos_token_id], tok.pad_token_id, temperature=0.0, cuda_graph=True)
+    assert graph == eager and not GRAPH_FAILURES
+
+
+def test_dropping_the_mask_of_right_padded_batches_is_exact(tiny_model):
+    from transformers import AutoModelForCausalLM
+    from common.training import _unmask_right_padding
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
+    ids = torch.randint(10, 2000, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, 7:] = 0
+    mask[2, 10:] = 0
+    ref = model(input_ids=ids, attention_mask=mask).logits
+    _unmask_right_padding(model)
+    seen = {}
+    model.model.register_forward_pre_hook(lambda m, a, k: seen.update(mask=k.get("attention_mask")), with_kwargs=True)
+    out = model(input_ids=ids, attention_mask=mask).logits
+    assert seen["mask"] is None
+    assert torch.equal(out[mask.bool()], ref[mask.bool()])
+    model(input_ids=ids, attention_mask=mask.flip(1))  # left padding (GRPO prompts) keeps its mask
+    assert seen["mask"] is not None
+
+
+def test_length_file_is_the_bundled_data(tmp_path):
+    fresh = bench.make_lengths(tmp_path / "lengths.json")
+    assert fresh == json.loads(bench.LENGTHS.read_text())
+    assert all(p <= 512 and p + r <= 768 for p, r in fresh["sft"])
+
+
+def test_grouped_batches_carry_little_padding():
+    lengths = json.loads(bench.LENGTHS.read_text())["sft"]
+
+    def real_share(grouped):
+        rows = bench.step_batches(lengths, 16, 40, grouped, seed=1)
+        steps = [rows[i:i + 16] for i in range(0, len(rows), 16)]
+        return sum(sum(map(sum, s)) for s in steps) / sum(16 * max(map(sum, s)) for s in steps)
+    assert real_share(True) > 0.95 > 0.85 > real_share(False)
+
+
+def test_one_sft_measurement_through_the_pipeline(tiny_model, tmp_path):
+    """bench's SFT row on the tiny model: the stage's build_trainer and train(), tokens counted and timed.
+    GPU-only and not run here: peak memory (None on the CPU) and Liger."""
+    args = SimpleNamespace(tiny=True, out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline=600,
+                           steps=2, model=None, long_tokens=512, batches="real")
+    b = bench.Bench(args)
+    from common.config import ModelArgs
+    from common.model import CAUSAL_LM, load_model, load_tokenizer
+    margs = ModelArgs(model_name_or_path=str(tiny_model))
+    b.tokenizer = load_tokenizer(margs)
+    b.words = bench.Words(b.tokenizer)
+    b.policy = load_model(margs, CAUSAL_LM, tokenizer=b.tokenizer)
+    b.sft("sft_real_ours", "real", b.sft_lengths, True)
+    (row,) = b.results["rows"]
+    assert row["setting"] == "ours" and row["group_by_length"] and row["peak_gib"] is None
+    assert row["real_tokens"] > 0 and row["tokens_per_s"] > 0 and row["real_share"] > 0.9
+    assert "sft_real_ours" in bench.table(b.results)
