@@ -74,8 +74,8 @@ fi
 
 # Training stages checkpoint on request; the others are simply stopped and run again.
 case $(basename "$script") in 02_*|03_*|04_*) checkpoints=1 ;; *) checkpoints=0 ;; esac
-mkdir -p "$runs_dir/slurm"
-export PIPELINE_STOP_FILE=$runs_dir/slurm/stop-${SLURM_JOB_ID:-$$}
+mkdir -p "$(dirname "$run_dir")/slurm"  # beside the run directory: shared by the nodes as it is
+export PIPELINE_STOP_FILE=$(dirname "$run_dir")/slurm/stop-${SLURM_JOB_ID:-$$}
 rm -f "$PIPELINE_STOP_FILE"  # a stale one from an earlier attempt would stop this one at once
 
 # accelerate launch: one launcher per node, started by srun; machine rank from SLURM_NODEID.
