@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -151,6 +152,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
         per_rank = [None] * world
         torch.distributed.all_gather_object(per_rank, mine)
     del trainer, model
+    gc.collect()  # the next section loads its own 4-bit base
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"kind": kind, "processes": world, "global_step": metrics["global_step"],
