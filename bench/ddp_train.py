@@ -37,6 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_utils import SaveStrategy  # noqa: E402
 
 from common.config import ModelArgs, RunArgs, TrainArgs  # noqa: E402
 
@@ -115,7 +116,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps  # rows per rank
     n_rows = per_step * world * args.steps
     tokenizer = load_tokenizer(config)
-    run = SimpleNamespace(dir=Path(args.out) / f"work-{kind}")
+    run = SimpleNamespace(dir=Path(args.work) / kind)  # checkpoints/ would go there; none are saved
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if kind == "sft":
@@ -124,6 +125,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
                                   for ids in random_ids(n_rows, args.sft_len, seed=1)])
         model = load_model(config, CAUSAL_LM, tokenizer=tokenizer)
         targs = trainer_args(SFTConfig, config, run, max_length=args.sft_len, completion_only_loss=True)
+        targs.save_strategy = SaveStrategy.NO  # not even at the end: 2 GB of adapter and optimiser state
         trainer = SFTTrainer(model=model, args=targs, processing_class=tokenizer, train_dataset=data)
         tokens_per_row = args.sft_len
     else:
@@ -131,6 +133,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
         data = Dataset.from_list([{"chosen_ids": c, "rejected_ids": r} for c, r in zip(chosen, rejected)])
         model = load_model(config, SEQ_CLS, tokenizer=tokenizer)
         targs = trainer_args(RewardConfig, config, run, max_length=args.reward_len)
+        targs.save_strategy = SaveStrategy.NO
         trainer = RewardTrainer(model=model, args=targs, processing_class=tokenizer, train_dataset=data)
         tokens_per_row = 2 * args.reward_len
     loaded_gib = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else None
@@ -169,6 +172,7 @@ def main(argv=None) -> None:
     ap.add_argument("--build", metavar="DIR", help="only build the random 8B-shaped model in DIR")
     ap.add_argument("--model", default="/tmp/llama3-8b-random")
     ap.add_argument("--out", default="bench/out-ddp")
+    ap.add_argument("--work", default="/tmp/ddp_train-work", help="the trainers' output_dir (nothing is saved)")
     ap.add_argument("--sections", default="sft,reward")
     ap.add_argument("--steps", type=int, default=6, help="optimiser steps per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")

@@ -7,10 +7,10 @@
 #   GPU_COUNTS=2 bash bench/ddp_train.sh --steps 10     # only 2 GPUs; options go to bench/ddp_train.py
 #
 # Env: PYTHON (default .venv/bin/python, else python3), MODEL_DIR (default
-# .cache/models/llama3-8b-random), OUT (default bench/out-ddp), GPU_COUNTS (default "1 2"),
+# .cache/models/llama3-8b-random), BENCH_OUT (default bench/out-ddp), GPU_COUNTS (default "1 2"),
 # ALLOW_CPU=1 for a smoke run without GPUs (with MODEL_DIR=.cache/models/tiny-llama3).
 # When trl, bitsandbytes or datasets is missing, their wheels in .whl/ are installed with --no-deps.
-# Results: $OUT/<n>gpu/results.json, and at the end a markdown table for bench/RESULTS.md.
+# Results: $BENCH_OUT/<n>gpu/results.json, and at the end a markdown table for bench/RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "ddp_train.sh: $*" >&2; exit 2; }
@@ -19,7 +19,7 @@ if [[ -z ${PYTHON:-} ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 MODEL_DIR=${MODEL_DIR:-.cache/models/llama3-8b-random}
-OUT=${OUT:-bench/out-ddp}
+BENCH_OUT=${BENCH_OUT:-bench/out-ddp}
 GPU_COUNTS=${GPU_COUNTS:-1 2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 
@@ -49,13 +49,13 @@ for n in $GPU_COUNTS; do
   start=$(date +%s)
   "$PYTHON" -m accelerate.commands.launch --config_file "$config" --num_processes "$n" --num_machines 1 \
     --machine_rank 0 --main_process_port $(( 29500 + n )) \
-    bench/ddp_train.py --model "$MODEL_DIR" --out "$OUT/${n}gpu" "$@" 2>&1 \
+    bench/ddp_train.py --model "$MODEL_DIR" --out "$BENCH_OUT/${n}gpu" "$@" 2>&1 \
     | grep -v -e 'examples/s' -e 'Loading weights' -e '^{' || true
-  [[ -f $OUT/${n}gpu/results.json ]] || die "$n GPU(s): no results (see the output above)"
+  [[ -f $BENCH_OUT/${n}gpu/results.json ]] || die "$n GPU(s): no results (see the output above)"
   echo "   took $(( $(date +%s) - start )) s"
 done
 
-"$PYTHON" - "$OUT" $GPU_COUNTS <<'EOF'
+"$PYTHON" - "$BENCH_OUT" $GPU_COUNTS <<'EOF'
 import json, sys
 from pathlib import Path
 out, counts = Path(sys.argv[1]), sys.argv[2:]
