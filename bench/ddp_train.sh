@@ -44,10 +44,12 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader || true
 "$PYTHON" bench/ddp_train.py --build "$MODEL_DIR"
 
 for n in $GPU_COUNTS; do
-  if (( n == 1 )); then config=configs/accelerate/single_gpu.yaml; else config=configs/accelerate/multi_gpu.yaml; fi
+  # One process with several GPUs visible makes the Trainer wrap the model in nn.DataParallel
+  # (which TRL refuses): the 1-GPU baseline sees only GPU 0.
+  if (( n == 1 )); then config=configs/accelerate/single_gpu.yaml; visible=0; else config=configs/accelerate/multi_gpu.yaml; visible=${CUDA_VISIBLE_DEVICES:-}; fi
   echo "== $n GPU(s): $config"
   start=$(date +%s)
-  "$PYTHON" -m accelerate.commands.launch --config_file "$config" --num_processes "$n" --num_machines 1 \
+  CUDA_VISIBLE_DEVICES=$visible "$PYTHON" -m accelerate.commands.launch --config_file "$config" --num_processes "$n" --num_machines 1 \
     --machine_rank 0 --main_process_port $(( 29500 + n )) \
     bench/ddp_train.py --model "$MODEL_DIR" --out "$BENCH_OUT/${n}gpu" "$@" 2>&1 \
     | grep -v -e 'examples/s' -e 'Loading weights' -e '^{' || true

@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -131,6 +132,12 @@ class Run:
         self.stage = stage
         self.config = config
         self.inputs = {name: _check_input(name, path) for name, path in (inputs or {}).items()}
+        # Under a multi-process launch (accelerate launch, torchrun) every process runs the stage:
+        # rank 0 creates and writes the run directory, the others only use it (its checkpoints).
+        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        if not self.is_main:
+            self._follow(config)
+            return
         if config.resume:
             self.dir = Path(config.resume)
             if not (self.dir / "config.yaml").is_file():
@@ -169,6 +176,19 @@ class Run:
         self.save_manifest()
         log.info("run directory %s", self.dir)
 
+    def _follow(self, config) -> None:
+        """Not rank 0: wait for rank 0's run directory; write nothing in it."""
+        if not (config.resume or config.run_name):
+            raise RunError("a multi-process launch needs --run_name or --resume: every process must find "
+                           "the same run directory")
+        self.dir = Path(config.resume or Path(config.runs_dir) / config.run_name)
+        deadline = time.time() + 600
+        while not (self.dir / "manifest.json").is_file():
+            if time.time() > deadline:
+                raise RunError(f"rank 0 did not create {self.dir} within 10 minutes")
+            time.sleep(0.5)
+        self.manifest = read_json(self.dir / "manifest.json")
+
     def _attach_log(self) -> None:
         handler = logging.FileHandler(self.dir / "run.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -183,6 +203,8 @@ class Run:
         self._handler = handler
 
     def save_manifest(self) -> None:
+        if not self.is_main:
+            return
         write_json(self.dir / "manifest.json", self.manifest)
 
     def _record_input(self, name: str, path: Path) -> None:
@@ -211,7 +233,7 @@ class Run:
 
     def start_tracking(self) -> None:
         """W&B: online with WANDB_API_KEY, else offline inside the run directory."""
-        if self.config.report_to != "wandb":
+        if self.config.report_to != "wandb" or not self.is_main:
             return
         import wandb
         if not os.environ.get("WANDB_API_KEY"):
@@ -235,6 +257,8 @@ class Run:
 
     def finish(self, metrics: dict) -> None:
         """Write metrics.json, close the tracker, then DONE (last, so a crash never leaves a DONE)."""
+        if not self.is_main:
+            return
         write_json(self.dir / "metrics.json", metrics)
         self.log_metrics(metrics)
         if self.config.report_to == "wandb":
