@@ -69,7 +69,7 @@ def test_sampled_decode_stops_at_end_token(lora_tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: CUDA-graph decode (bench/bench.py measures it)")
-def test_cuda_graph_decode_equals_eager(lora_tiny):
+def test_gpu_cuda_graph_decode_equals_eager(lora_tiny):
     from common.generation import GRAPH_FAILURES, decode
     model, tok = lora_tiny
     model = model.cuda()

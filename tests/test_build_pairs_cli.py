@@ -42,6 +42,8 @@ def test_another_slice_in_the_bundled_format_works(tmp_path):
     run = run_dir_of(proc)
     metrics = _check_accounting(run)
     assert metrics["n_input_rows"] == 400
+    for split, accuracy in metrics["length_only_accuracy"].items():  # balanced on any slice, too
+        assert 0.45 <= accuracy <= 0.55, (split, accuracy)
     groups = {split: {json.loads(l)["group_id"] for l in (run / f"{split}.jsonl").read_text().splitlines()}
               for split in ("train", "dev", "test")}
     assert not (groups["train"] & groups["dev"] or groups["train"] & groups["test"] or groups["dev"] & groups["test"])
