@@ -77,10 +77,9 @@ class RewardScorer:
                    batch_size, kind)
 
     @classmethod
-    def from_run(cls, reward_run: str | Path, model_args: ModelArgs | None = None,
-                 batch_size: int = 8) -> "RewardScorer":
+    def from_run(cls, reward_run: str | Path, batch_size: int = 8) -> "RewardScorer":
         """Load a finished stage-03 run's judge, frozen, exactly as that run trained it: its backbone
-        comes from the run's own config.yaml (`model_args` is ignored; kept for older callers).
+        comes from the run's own config.yaml.
         Refuses the run if the backbone's files differ from the `judge` fingerprint it recorded."""
         reward_run = Path(reward_run)
         trained = yaml.safe_load((reward_run / "config.yaml").read_text())

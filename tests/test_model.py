@@ -123,7 +123,7 @@ def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
     trained_head = saved[head_keys[0]]
     assert not any(torch.equal(trained_head.float(), p.detach().float()) for n, p in fresh_head.items() if "score" in n)
 
-    scorer = RewardScorer.from_run(reward, config)
+    scorer = RewardScorer.from_run(reward)
     dev = load_split(pairs_run, "dev")[:8]
     stored = [json.loads(line) for line in (reward / "dev_scores.jsonl").read_text().splitlines()]
     reloaded = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
