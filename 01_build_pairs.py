@@ -37,7 +37,7 @@ class PairsConfig(RunArgs):
     test_fraction: float = 0.1
     # How reply length is kept from giving the winner away (docs/data.md): "match_ratio" pairs every
     # winner-shorter pair with the winner-longer pair of nearest length ratio, "none" keeps all.
-    length_balance: str | bool = "match_ratio"
+    length_balance: str = "match_ratio"
     max_length_ratio: float | None = None  # optional band: drop pairs whose longer reply has more words
     scrub_giveaways: bool = True  # remove edit notes, delta mentions, bot/moderator boilerplate
     skip_bad_rows: bool = False
@@ -102,8 +102,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "length_balance": strategy,
         "length_kinds_before_balancing": kinds_before,
         # pairs kept / (2 x min(winner longer, winner shorter)) over the usable pairs (issue 3: >= 0.7)
-        "kept_vs_balanced_max": sum(map(len, splits.values())) / (2 * min(
-            kinds_before["winner_longer"], kinds_before["winner_shorter"]) or float("nan")),
+        "kept_vs_balanced_max": _kept_share(splits, kinds_before),
         "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
     accounted = sum(metrics["n_pairs"].values()) + sum(dropped.values())
@@ -111,6 +110,12 @@ def main(config: PairsConfig, overrides: dict) -> None:
     log.info("pairs per split %s, dropped %s, length-only accuracy %s",
              metrics["n_pairs"], metrics["dropped"], metrics["length_only_accuracy"])
     run.finish(metrics)
+
+
+def _kept_share(splits: dict, kinds: dict) -> float | None:
+    """None when one kind is absent (nothing to balance against): JSON has no NaN."""
+    most = 2 * min(kinds["winner_longer"], kinds["winner_shorter"])
+    return sum(map(len, splits.values())) / most if most else None
 
 
 if __name__ == "__main__":

@@ -112,11 +112,8 @@ def balance_by_length(pairs: list[dict], seed: int) -> tuple[list[dict], list[di
 LENGTH_BALANCE = ("match_ratio", "none")
 
 
-def length_balance_strategy(value) -> str:
-    """The `length_balance` setting: "match_ratio" (balance_by_length) or "none"; the older boolean
-    form is accepted (true = match_ratio, false = none)."""
-    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
-        return "match_ratio" if str(value).lower() == "true" else "none"
+def length_balance_strategy(value: str) -> str:
+    """The `length_balance` setting: "match_ratio" (balance_by_length) or "none"."""
     if value not in LENGTH_BALANCE:
         raise ValueError(f"length_balance must be one of {', '.join(LENGTH_BALANCE)}, got {value!r}")
     return value

@@ -41,7 +41,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 def _paragraphs(text: str) -> list[str]:
-    return [p for p in re.split(r"\n\s*\n", text)]
+    return re.split(r"\n\s*\n", text)
 
 
 def _drop_edit_notes(text: str) -> str:
@@ -50,8 +50,9 @@ def _drop_edit_notes(text: str) -> str:
     paras = _paragraphs(text)
     total, seen, kept = max(1, len(text)), 0, []
     for i, para in enumerate(paras):
-        if _EDIT_LINE.search(para):
-            head = para[:_EDIT_LINE.search(para).start()].strip()
+        note = _EDIT_LINE.search(para)
+        if note:
+            head = para[:note.start()].strip()
             if head:  # the note starts inside the paragraph, on a later line
                 kept.append(head)
             if seen >= total / 2:
