@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from scipy.stats import spearmanr
 
 from common.data import n_words
+from common.metrics import bootstrap_ci, preference_metrics, wins
 
 log = logging.getLogger("pipeline")
 
@@ -160,27 +160,6 @@ def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) 
 
 # --- the audit --------------------------------------------------------------------------------------
 
-def _bootstrap_mean(values: np.ndarray, seed: int) -> list[float]:
-    if len(values) == 0:
-        return [float("nan"), float("nan")]
-    rng = np.random.default_rng(seed)
-    boot = values[rng.integers(0, len(values), size=(N_BOOT, len(values)))].mean(axis=1)
-    return [float(x) for x in np.percentile(boot, [2.5, 97.5])]
-
-
-def _wins(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
-    return (chosen > rejected) + 0.5 * (chosen == rejected)
-
-
-def judge_metrics(pairs: list[dict], chosen: list[float], rejected: list[float], seed: int = 0) -> dict:
-    c, r = np.asarray(chosen, float), np.asarray(rejected, float)
-    lengths = [n_words(p["chosen"]) for p in pairs] + [n_words(p["rejected"]) for p in pairs]
-    rho = spearmanr(np.r_[c, r], lengths).statistic if len(pairs) > 1 else float("nan")
-    return {"n_pairs": len(pairs), "accuracy": float(_wins(c, r).mean()) if len(pairs) else None,
-            "accuracy_ci95": _bootstrap_mean(_wins(c, r), seed), "mean_margin": float(np.mean(c - r)) if len(pairs) else None,
-            "score_length_spearman": None if np.isnan(rho) else float(rho)}
-
-
 def run_probes(score: Callable, pairs: list[dict], chosen: list[float], rejected: list[float],
                seed: int = 0) -> dict:
     """Every probe of PROBES on every pair: the edited reply re-scored, the verdict re-read."""
@@ -196,7 +175,7 @@ def run_probes(score: Callable, pairs: list[dict], chosen: list[float], rejected
         change = new - old
         before, after = np.sign(c - r), np.sign(c2 - r2)
         to_loser = (before > 0) & (after < 0)
-        ci = _bootstrap_mean(change, seed)
+        ci = bootstrap_ci(change, N_BOOT, seed)
         mean = float(change.mean())
         effect = cheat_sign * mean / sd
         significant = (ci[0] > 0) if cheat_sign > 0 else (ci[1] < 0)
@@ -206,7 +185,7 @@ def run_probes(score: Callable, pairs: list[dict], chosen: list[float], rejected
             "mean_words_added": float(np.mean([n_words(e) - n_words(p[target]) for e, p in zip(edited, pairs)])),
             "mean_score_change": mean, "mean_score_change_ci95": ci, "mean_score_change_sd": mean / sd,
             "flip_rate": float(np.mean(before != after)), "flip_to_loser_rate": flips_to_loser,
-            "accuracy_after": float(_wins(c2, r2).mean()),
+            "accuracy_after": float(wins(c2, r2).mean()),
             "falls_for": bool(significant and (effect >= FALLS_FOR_SD or flips_to_loser >= FALLS_FOR_FLIPS)),
         }
     return out
@@ -249,13 +228,10 @@ def judge_audit(score: Callable, train: list[dict], eval_pairs: list[dict], chos
     extra = extra or {}
     audit = {
         "split": split,
-        "judge": judge_metrics(eval_pairs, chosen, rejected, seed),
-        "length_only_accuracy": float(np.mean([1.0 if n_words(p["chosen"]) > n_words(p["rejected"]) else
-                                               0.5 if n_words(p["chosen"]) == n_words(p["rejected"]) else 0.0
-                                               for p in eval_pairs])) if eval_pairs else None,
+        "judge": preference_metrics(eval_pairs, chosen, rejected, seed),
         "baselines": baselines(train, {split: eval_pairs, **{k: v[0] for k, v in extra.items()}}),
         "probes": run_probes(score, eval_pairs, chosen, rejected, seed),
-        "other_splits": {k: judge_metrics(*v, seed=seed) for k, v in extra.items()},
+        "other_splits": {k: preference_metrics(*v, seed=seed) for k, v in extra.items()},
         "thresholds": {"falls_for_sd": FALLS_FOR_SD, "falls_for_flips": FALLS_FOR_FLIPS, "n_boot": N_BOOT},
     }
     audit["verdict"] = verdict(audit)

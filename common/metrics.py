@@ -12,15 +12,34 @@ from scipy.stats import spearmanr
 from common.data import length_only_accuracy, n_words
 
 
-def preference_metrics(pairs: list[dict], chosen_scores: list[float], rejected_scores: list[float]) -> dict:
-    """How well a judge separates winners from losers, and how much it just counts words."""
-    chosen, rejected = np.asarray(chosen_scores), np.asarray(rejected_scores)
+def wins(scores, other_scores) -> np.ndarray:
+    """1 where a score beats the other, 0.5 on a tie, 0 else (pairwise accuracy, win rates)."""
+    a, b = np.asarray(scores, float), np.asarray(other_scores, float)
+    return (a > b) + 0.5 * (a == b)
+
+
+def bootstrap_ci(values, n_boot: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile bootstrap interval of the mean of `values` (resampled with replacement)."""
+    values = np.asarray(values, float)
+    if len(values) == 0:
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    boot = values[rng.integers(0, len(values), size=(n_boot, len(values)))].mean(axis=1)
+    return [float(x) for x in np.percentile(boot, [2.5, 97.5])]
+
+
+def preference_metrics(pairs: list[dict], chosen_scores: list[float], rejected_scores: list[float],
+                       seed: int = 0) -> dict:
+    """How well a judge separates winners from losers (ties half), and how much it just counts words."""
+    chosen, rejected = np.asarray(chosen_scores, float), np.asarray(rejected_scores, float)
     lengths = [n_words(p["chosen"]) for p in pairs] + [n_words(p["rejected"]) for p in pairs]
     rho = spearmanr(np.concatenate([chosen, rejected]), lengths).statistic if len(pairs) > 1 else None
+    correct = wins(chosen, rejected)
     return {
         "n_pairs": len(pairs),
-        "accuracy": float(np.mean(chosen > rejected)),
-        "mean_margin": float(np.mean(chosen - rejected)),
+        "accuracy": float(correct.mean()) if len(pairs) else None,
+        "accuracy_ci95": bootstrap_ci(correct, seed=seed),
+        "mean_margin": float(np.mean(chosen - rejected)) if len(pairs) else None,
         "length_only_accuracy": length_only_accuracy(pairs),
         "score_length_spearman": None if rho is None or np.isnan(rho) else float(rho),
     }
@@ -41,11 +60,8 @@ def rouge(hypotheses: list[str], references: list[str], kinds=("rougeL",)) -> di
 def win_rate(scores: list[float], base_scores: list[float], n_boot: int = 2000, seed: int = 0) -> dict:
     """Share of premises where the model's reply out-scores the base's (ties count half), with a
     95% percentile bootstrap interval over premises."""
-    wins = (np.asarray(scores) > np.asarray(base_scores)) + 0.5 * (np.asarray(scores) == np.asarray(base_scores))
-    rng = np.random.default_rng(seed)
-    boot = wins[rng.integers(0, len(wins), size=(n_boot, len(wins)))].mean(axis=1)
-    low, high = np.percentile(boot, [2.5, 97.5])
-    return {"win_rate_vs_base": float(wins.mean()), "win_rate_vs_base_ci95": [float(low), float(high)]}
+    won = wins(scores, base_scores)
+    return {"win_rate_vs_base": float(won.mean()), "win_rate_vs_base_ci95": bootstrap_ci(won, n_boot, seed)}
 
 
 # --- reward-hacking watch (stage 04) ------------------------------------------------------------
@@ -109,19 +125,18 @@ def length_controlled_win_rate(scores: list[float], base_scores: list[float], le
     win (ties half) on the normalised length difference tanh((len - len_base) / sd), read at a length
     difference of zero: sigmoid(intercept). With a 95% percentile bootstrap interval over premises.
     `length_coef` is the fitted slope: how much a longer reply alone moves the judge."""
-    s, b = np.asarray(scores, float), np.asarray(base_scores, float)
-    wins = (s > b) + 0.5 * (s == b)
+    won = wins(scores, base_scores)
     diff = np.log1p(np.asarray(lengths, float)) - np.log1p(np.asarray(base_lengths, float))
     sd = diff.std()
     x = np.tanh(diff / sd) if sd > 0 else np.zeros_like(diff)
 
     def lc(idx):
-        a, slope = _fit_logistic(x[idx], wins[idx])
+        a, slope = _fit_logistic(x[idx], won[idx])
         return 1 / (1 + np.exp(-a)), slope
 
-    value, slope = lc(np.arange(len(wins)))
+    value, slope = lc(np.arange(len(won)))
     rng = np.random.default_rng(seed)
-    boot = [lc(rng.integers(0, len(wins), len(wins)))[0] for _ in range(n_boot)]
+    boot = [lc(rng.integers(0, len(won), len(won)))[0] for _ in range(n_boot)]
     low, high = np.percentile(boot, [2.5, 97.5])
     return {"lc_win_rate_vs_base": float(value), "lc_win_rate_vs_base_ci95": [float(low), float(high)],
             "length_coef": float(slope)}
