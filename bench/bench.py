@@ -411,7 +411,7 @@ class Bench:
 
     # GRPO ------------------------------------------------------------------------------------------
     def grpo(self, ours, steps, **over):
-        from common.rewards import RewardScorer
+        from common.rewards import RewardScorer, WatchedReward
         over = over if ours else {"rollout_backend": "hf", "gradient_accumulation_steps": 1}
         cfg = self.config(self.grpo_mod, "GRPOStageConfig", "04_train_grpo.yaml", max_steps=steps,
                           max_prompt_tokens=self.max_prompt, **over,
@@ -426,7 +426,9 @@ class Bench:
         prompts = self.grpo_mod.prompt_dataset(str(pairs), self.tokenizer, cfg)
         fresh_adapter(self.policy)
         self.judge_model.eval()
-        judge = RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length, cfg.reward_batch_size)
+        # as stage 04 gives it (the watch's statistics included); no guard: a random model's lengths are flat
+        judge = WatchedReward(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
+                                           cfg.reward_batch_size))
         trainer = self.grpo_mod.build_trainer(cfg, self.run_dir("grpo"), self.policy, judge, prompts, self.tokenizer)
         timing = {"rollout_s": [], "new_tokens": [], "reward_s": []}
         generate = trainer._generate
@@ -440,14 +442,14 @@ class Bench:
             timing["new_tokens"].append(sum(len(c) for c in out[1]))
             return out
         trainer._generate = timed_generate
-        score = judge.score
+        score = judge.scorer.score
 
         def timed_score(*a, **k):
             t = time.perf_counter()
             out = score(*a, **k)
             timing["reward_s"].append(time.perf_counter() - t)
             return out
-        judge.score = timed_score
+        judge.scorer.score = timed_score
         clock = StepClock()
         trainer.add_callback(clock)
         mem_reset()

@@ -56,8 +56,6 @@ def judge_fingerprint(config) -> dict:
 
 
 class RewardScorer:
-    __name__ = "reward_model"  # GRPOTrainer names each reward function's log column after it
-
     def __init__(self, model, tokenizer, max_prompt_tokens: int, max_length: int, batch_size: int = 8,
                  kind: str = SEQ_CLS):
         self.model, self.tokenizer, self.kind = model, tokenizer, kind
@@ -128,11 +126,6 @@ class RewardScorer:
             scores.extend(logits[:, 0].float().tolist())
         self.model.train(was_training)
         return scores
-
-    def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        """GRPO reward function: conversational prompts and completions (lists of messages)."""
-        replies = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return self.score(prompts, replies)
 
 
 class WatchedReward:
