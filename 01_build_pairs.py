@@ -16,38 +16,22 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from dataclasses import dataclass, field
 
-from common.config import RunArgs
-from common.data import (DataError, balance_split, length_balance_strategy, length_kinds,
-                         length_only_accuracy, read_jsonl, split_by_group, write_jsonl)
-from common.runs import Run, cli
+from common.cli import cli
+from common.config import PairsConfig
+from common.data import (DataError, balance_split, length_kinds, length_only_accuracy, read_jsonl, split_by_group,
+                         write_jsonl)
+from common.runs import Run
 from common.tasks import get_task
 
 log = logging.getLogger("pipeline")
 SPLITS = ("train", "dev", "test")
 
 
-@dataclass
-class PairsConfig(RunArgs):
-    task: str = "cmv"
-    data: list[str] = field(default_factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
-    premise_words: int = 470
-    dev_fraction: float = 0.1
-    test_fraction: float = 0.1
-    # How reply length is kept from giving the winner away (docs/data.md): "match_ratio" pairs every
-    # winner-shorter pair with the winner-longer pair of nearest length ratio, "none" keeps all.
-    length_balance: str = "match_ratio"
-    max_length_ratio: float | None = None  # optional band: drop pairs whose longer reply has more words
-    scrub_giveaways: bool = True  # remove edit notes, delta mentions, bot/moderator boilerplate
-    skip_bad_rows: bool = False
-
-
 def main(config: PairsConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs recorded with their digests.
     random.seed(config.seed)
     task = get_task(config.task)
-    strategy = length_balance_strategy(config.length_balance)
     run = Run("Pairs", config, overrides, inputs={f"data[{i}]": path for i, path in enumerate(config.data)})
     run.manifest["task"] = task.NAME
     run.save_manifest()
@@ -85,7 +69,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
     length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()}
     kinds_before = length_kinds(pairs)
     for name in SPLITS:
-        splits[name], removed = balance_split(splits[name], strategy, config.max_length_ratio, config.seed)
+        splits[name], removed = balance_split(splits[name], config.length_balance, config.max_length_ratio, config.seed)
         dropped.update(removed)
 
     # 4. Write the splits and the accounting.
@@ -99,9 +83,9 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "dropped": dict(sorted(dropped.items())),
         "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS},
         "length_only_accuracy_before_balancing": length_before,
-        "length_balance": strategy,
+        "length_balance": config.length_balance,
         "length_kinds_before_balancing": kinds_before,
-        # pairs kept / (2 x min(winner longer, winner shorter)) over the usable pairs (issue 3: >= 0.7)
+        # pairs kept / (2 x min(winner longer, winner shorter)) over the usable pairs
         "kept_vs_balanced_max": _kept_share(splits, kinds_before),
         "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
@@ -109,6 +93,11 @@ def main(config: PairsConfig, overrides: dict) -> None:
     assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
     log.info("pairs per split %s, dropped %s, length-only accuracy %s",
              metrics["n_pairs"], metrics["dropped"], metrics["length_only_accuracy"])
+    # 5. A pairs run that a later stage cannot use is not finished: no DONE.
+    empty = [name for name in ("train", "test") if not splits[name]]
+    if empty:
+        run.fail(metrics, f"no pairs in the {' and '.join(empty)} split(s) of {n_rows} input rows "
+                          f"(dropped: {metrics['dropped'] or 'none'}): check --data and the split and length settings")
     run.finish(metrics)
 
 
@@ -119,4 +108,4 @@ def _kept_share(splits: dict, kinds: dict) -> float | None:
 
 
 if __name__ == "__main__":
-    cli(main, PairsConfig)
+    cli(main, PairsConfig, __doc__)

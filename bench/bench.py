@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -40,24 +40,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 START = time.time()
 
-
-def _stub_metric_packages():
-    """common.metrics imports rouge_score and sacrebleu at the top; a GPU image may lack them (and
-    their NLTK dependency). The bench computes no text metric, so empty stand-ins let the stage
-    modules import there; with the real packages installed nothing is replaced."""
-    import types
-    for name, attr in (("rouge_score", "rouge_scorer"), ("sacrebleu", "metrics")):
-        if importlib.util.find_spec(name) is None:
-            package, sub = types.ModuleType(name), types.ModuleType(f"{name}.{attr}")
-            sub.RougeScorer = sub.BLEU = None
-            setattr(package, attr, sub)
-            sys.modules[name], sys.modules[f"{name}.{attr}"] = package, sub
-
-
-_stub_metric_packages()
-
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+
+from common.config import GRPOStageConfig, RewardStageConfig, SFTStageConfig  # noqa: E402
 
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
@@ -68,11 +54,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
 
 
 def stage(filename: str):
-    spec = importlib.util.spec_from_file_location("stage_" + filename[:2], REPO / filename)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """A stage script as a module (its build_trainer and datasets), e.g. stage("02_train_sft.py")."""
+    return importlib.import_module(Path(filename).stem)
 
 
 # --- the length distribution of the real data ----------------------------------------------------
@@ -203,7 +186,7 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     start = time.perf_counter()
     if pipeline:  # through the stages' train(): its right-padding, offload and Liger settings apply
         from common.training import train
-        train(trainer, SimpleNamespace(dir=Path(trainer.args.output_dir).parent))
+        train(trainer, bench_run(Path(trainer.args.output_dir).parent))
     else:
         trainer.train()
     peak = peak_gib()
@@ -215,6 +198,11 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     return {"steps_timed": len(clock.times) - w, "seconds": round(seconds, 3),
             "real_tokens": real, "padded_tokens": padded, "real_share": round(real / max(padded, 1), 3),
             "tokens_per_s": round(real / seconds, 1), "peak_gib": peak}
+
+
+def bench_run(path: Path):
+    """What the stages' build_trainer and train() need of a run, without a run directory's records."""
+    return SimpleNamespace(dir=path, manifest={}, save_manifest=lambda: None)
 
 
 # --- the bench -----------------------------------------------------------------------------------
@@ -235,8 +223,7 @@ class Bench:
         self.prompt_lengths = scale(self.lengths["prompts"], f)
         self.max_prompt, self.max_length = int(512 * f), int(768 * f)
         self.steps = 2 if self.tiny else args.steps
-        self.sft_mod, self.reward_mod, self.grpo_mod = stage("02_train_sft.py"), stage("03_train_reward.py"), \
-            stage("04_train_grpo.py")
+        self.sft_mod, self.grpo_mod = stage("02_train_sft.py"), stage("04_train_grpo.py")
         self.model_path = str(TINY_MODEL if self.tiny else args.model)
         self.other_resident = 0.0  # GiB of another stage's model kept on the GPU meanwhile
 
@@ -270,20 +257,26 @@ class Bench:
         finally:
             mem_reset()
 
-    def config(self, module, cls_name, yaml_name, **over):
-        """The llama3-8b recipe's config for a stage (its fast settings), with the bench's overrides."""
-        from common.config import parse_config
+    def config(self, cls, yaml_name, **over):
+        """The llama3-8b recipe's config for a stage (its fast settings), with the bench's overrides.
+        The bench feeds the trainers itself: its input runs are placeholders."""
+        import dataclasses
+
+        from common.cli import parse_config
         argv = ["--config", str(REPO / "configs/llama3-8b" / yaml_name), "--model_name_or_path", self.model_path,
                 "--report_to", "none", "--save_steps", "1000000", "--logging_steps", "1000000"]
+        for name in ("pairs_run", "sft_run", "reward_run"):
+            if name in {f.name for f in dataclasses.fields(cls)}:
+                argv += [f"--{name}", "bench"]
         for key, value in over.items():
             argv += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
-        return parse_config(getattr(module, cls_name), argv)[0]
+        return parse_config(cls, argv)[0]
 
     def run_dir(self, name):
         path = self.work / name
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
-        return SimpleNamespace(dir=path)
+        return bench_run(path)
 
     # SFT -----------------------------------------------------------------------------------------
     def sft_rows(self, lengths):
@@ -291,7 +284,7 @@ class Bench:
 
     def sft(self, name, kind, lengths, ours, **over):
         import trl
-        cfg = self.config(self.sft_mod, "SFTStageConfig", "02_train_sft.yaml", max_steps=self.steps,
+        cfg = self.config(SFTStageConfig, "02_train_sft.yaml", max_steps=self.steps,
                           max_prompt_tokens=self.max_prompt, max_length=self.max_length,
                           per_device_train_batch_size=4 if self.tiny else 8, **over)
         ga = cfg.gradient_accumulation_steps if ours else 1
@@ -306,7 +299,6 @@ class Bench:
                                  max_steps=self.steps, report_to="none", save_strategy="no", disable_tqdm=True,
                                  per_device_train_batch_size=cfg.per_device_train_batch_size,
                                  **({"bf16": False, "use_cpu": True} if self.tiny else {}))
-            args.offload_activations = False
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg))
         r = train_run(trainer, ga, ours)
@@ -321,7 +313,7 @@ class Bench:
         import trl
         n = 512 if self.tiny else self.args.long_tokens
         reply = n // 48
-        cfg = self.config(self.sft_mod, "SFTStageConfig", "02_train_sft.yaml", max_steps=3,
+        cfg = self.config(SFTStageConfig, "02_train_sft.yaml", max_steps=3,
                           max_prompt_tokens=n - reply, max_length=n, per_device_train_batch_size=1,
                           gradient_accumulation_steps=1, offload_activations=ours, **over)
         rows = self.sft_rows([[n - reply, reply - 1]] * 3)
@@ -379,7 +371,7 @@ class Bench:
     # reward ----------------------------------------------------------------------------------------
     def reward(self, name, kind, lengths, ours, **over):
         import trl
-        cfg = self.config(self.reward_mod, "RewardStageConfig", "03_train_reward.yaml", max_steps=self.steps,
+        cfg = self.config(RewardStageConfig, "03_train_reward.yaml", max_steps=self.steps,
                           max_prompt_tokens=self.max_prompt, max_length=self.max_length,
                           per_device_train_batch_size=4 if self.tiny else 8, **over)
         ga = cfg.gradient_accumulation_steps if ours else 1
@@ -390,9 +382,9 @@ class Bench:
                 for p, c, j in items]
         fresh_adapter(self.judge_model)
         run = self.run_dir(name)
-        from common.rewards import RewardScorer
+        from common.rewards import RewardScorer, preference_dataset
         scorer = RewardScorer(self.judge_model, self.tokenizer, cfg.max_prompt_tokens, cfg.max_length)
-        data = self.reward_mod.preference_dataset(rows, scorer)  # encoded by the scorer, as stage 03 does
+        data = preference_dataset(rows, scorer)  # encoded by the scorer, as stage 03 does
         if ours:
             from common.training import trainer_args
             args = trainer_args(trl.RewardConfig, cfg, run, max_length=cfg.max_length)
@@ -403,6 +395,9 @@ class Bench:
                                     **({"bf16": False, "use_cpu": True} if self.tiny else {}))
         trainer = trl.RewardTrainer(model=self.judge_model, args=args, processing_class=self.tokenizer,
                                     train_dataset=data)
+        if ours:  # what stage 03's trainer gets
+            from common import patches
+            patches.apply(trainer, cfg)
         r = train_run(trainer, ga, ours)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "pairs_per_device": cfg.per_device_train_batch_size, "grad_accum": ga,
@@ -411,9 +406,10 @@ class Bench:
 
     # GRPO ------------------------------------------------------------------------------------------
     def grpo(self, ours, steps, **over):
-        from common.rewards import RewardScorer, WatchedReward
+        from common.rewards import RewardScorer
+        from common.watch import WatchedReward
         over = over if ours else {"rollout_backend": "hf", "gradient_accumulation_steps": 1}
-        cfg = self.config(self.grpo_mod, "GRPOStageConfig", "04_train_grpo.yaml", max_steps=steps,
+        cfg = self.config(GRPOStageConfig, "04_train_grpo.yaml", max_steps=steps,
                           max_prompt_tokens=self.max_prompt, **over,
                           **({"max_completion_length": 8, "per_device_train_batch_size": 8} if self.tiny else {}))
         pairs = self.work / "pairs"
@@ -456,7 +452,7 @@ class Bench:
         sync()
         t0 = time.perf_counter()
         from common.training import train
-        train(trainer, SimpleNamespace(dir=self.work / "grpo"))
+        train(trainer, bench_run(self.work / "grpo"))
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]

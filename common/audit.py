@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from common.data import n_words
+from common.data import SENTENCE_END, n_words, write_json
 from common.metrics import bootstrap_ci, preference_metrics, wins
 
 log = logging.getLogger("pipeline")
@@ -39,7 +38,6 @@ FILLER = ["It is important to keep this in mind.", "There are many different asp
           "When you look at it closely, the picture becomes clearer.", "All of these points are relevant to the question."]
 BOILERPLATE = ("I hope this helps you see things from a different perspective; if you weigh the evidence "
                "carefully, I think you will find this argument convincing.")
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 # --- probes: (name, which reply is edited, what a cheat wants the score to do, edit, description) ---
@@ -72,7 +70,7 @@ def cut_half(text: str, _pair: dict) -> str:
     """The first half of the reply's words, ending at a sentence end where one is available."""
     target = max(1, n_words(text) // 2)
     kept, count = [], 0
-    for sentence in _SENTENCE_END.split(text.strip()):
+    for sentence in SENTENCE_END.split(text.strip()):
         if count + n_words(sentence) > target:
             break
         kept.append(sentence)
@@ -119,8 +117,7 @@ def _fit_pairwise(x_chosen, x_rejected, C: float = 1.0):
 
 
 def _pairwise_accuracy(model, x_chosen, x_rejected) -> float:
-    margin = np.asarray(model.decision_function(x_chosen) - model.decision_function(x_rejected)).ravel()
-    return float(np.mean((margin > 0) + 0.5 * (margin == 0)))
+    return float(wins(np.ravel(model.decision_function(x_chosen)), np.ravel(model.decision_function(x_rejected))).mean())
 
 
 def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) -> dict:
@@ -221,12 +218,12 @@ def verdict(audit: dict) -> dict:
     return {"falls_for": falls, "resists": resisted, "text": " ".join(lines)}
 
 
-def judge_audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: list[float],
-                rejected: list[float], split: str = "dev", extra: dict | None = None, seed: int = 0) -> dict:
+def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: list[float],
+          rejected: list[float], split: str = "dev", extra: dict | None = None, seed: int = 0) -> dict:
     """The whole audit on `eval_pairs` (scores of the judge given in chosen/rejected); `extra` maps
     other held-out splits to (pairs, chosen scores, rejected scores) for accuracy next to baselines."""
     extra = extra or {}
-    audit = {
+    result = {
         "split": split,
         "judge": preference_metrics(eval_pairs, chosen, rejected, seed),
         "baselines": baselines(train, {split: eval_pairs, **{k: v[0] for k, v in extra.items()}}),
@@ -234,15 +231,14 @@ def judge_audit(score: Callable, train: list[dict], eval_pairs: list[dict], chos
         "other_splits": {k: preference_metrics(*v, seed=seed) for k, v in extra.items()},
         "thresholds": {"falls_for_sd": FALLS_FOR_SD, "falls_for_flips": FALLS_FOR_FLIPS, "n_boot": N_BOOT},
     }
-    audit["verdict"] = verdict(audit)
-    return audit
+    result["verdict"] = verdict(result)
+    return result
 
 
-def audit_judge(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
-                rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0) -> dict:
+def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
+                      rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0) -> dict:
     """Stage 03's step: score the extra held-out splits, audit, write judge_audit.json beside the
     adapter, log the verdict; returns the summary that goes into metrics.json."""
-    from common.runs import write_json
     if not dev or not train:
         write_json(Path(run_dir) / "judge_audit.json", {"skipped": "no train or dev pairs to audit on"})
         log.warning("judge audit skipped: no train or dev pairs")
@@ -253,13 +249,13 @@ def audit_judge(run_dir: Path, scorer, train: list[dict], dev: list[dict], chose
             prompts = [r["prompt"] for r in rows]
             extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
                            scorer.score(prompts, [r["rejected"] for r in rows]))
-    audit = judge_audit(scorer.score, train, dev, chosen, rejected, "dev", extra, seed)
-    write_json(Path(run_dir) / "judge_audit.json", audit)
-    log.info("judge audit: %s", audit["verdict"]["text"])
-    summary = {"accuracy": audit["judge"]["accuracy"], "accuracy_ci95": audit["judge"]["accuracy_ci95"],
-               "length_only_baseline_accuracy": audit["baselines"]["length_only"].get("dev_accuracy"),
-               "bag_of_words_baseline_accuracy": audit["baselines"]["bag_of_words"].get("dev_accuracy"),
-               "falls_for": audit["verdict"]["falls_for"]}
-    for name, metrics in audit["other_splits"].items():
+    result = audit(scorer.score, train, dev, chosen, rejected, "dev", extra, seed)
+    write_json(Path(run_dir) / "judge_audit.json", result)
+    log.info("judge audit: %s", result["verdict"]["text"])
+    summary = {"accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],
+               "length_only_baseline_accuracy": result["baselines"]["length_only"].get("dev_accuracy"),
+               "bag_of_words_baseline_accuracy": result["baselines"]["bag_of_words"].get("dev_accuracy"),
+               "falls_for": result["verdict"]["falls_for"]}
+    for name, metrics in result["other_splits"].items():
         summary[f"{name}_accuracy"] = metrics["accuracy"]
     return summary

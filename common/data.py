@@ -1,16 +1,31 @@
-"""Reading and writing pair files, splitting by group, length balancing, fitting token budgets."""
+"""Reading and writing data files, splitting by group, length balancing, fitting token budgets."""
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import math
 import random
+import re
 from bisect import bisect_left
 from pathlib import Path
+
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")  # splits text into sentences, keeping their marks
 
 
 class DataError(ValueError):
     """Malformed input: the message names the file, the line and the field."""
+
+
+def write_json(path: Path, data) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
 
 
 def read_jsonl(path: str | Path, skip_invalid: bool = False):
@@ -42,6 +57,16 @@ def write_jsonl(path: Path, rows) -> None:
 
 def load_split(pairs_run: str | Path, split: str) -> list[dict]:
     return [row for _, row in read_jsonl(Path(pairs_run) / f"{split}.jsonl")]
+
+
+def one_per_group(rows: list[dict]) -> list[dict]:
+    """The first row of each group (premise): a post with several pairs is prompted once."""
+    seen, out = set(), []
+    for row in rows:
+        if row["group_id"] not in seen:
+            seen.add(row["group_id"])
+            out.append(row)
+    return out
 
 
 def split_by_group(pairs: list[dict], fractions: dict[str, float], seed: int) -> dict[str, list[dict]]:
@@ -109,16 +134,6 @@ def balance_by_length(pairs: list[dict], seed: int) -> tuple[list[dict], list[di
     return kept, dropped
 
 
-LENGTH_BALANCE = ("match_ratio", "none")
-
-
-def length_balance_strategy(value: str) -> str:
-    """The `length_balance` setting: "match_ratio" (balance_by_length) or "none"."""
-    if value not in LENGTH_BALANCE:
-        raise ValueError(f"length_balance must be one of {', '.join(LENGTH_BALANCE)}, got {value!r}")
-    return value
-
-
 def length_kinds(pairs: list[dict]) -> dict:
     """How many pairs have the winner longer, shorter, or as long as the loser (in words)."""
     counts = {"winner_longer": 0, "winner_shorter": 0, "tie": 0}
@@ -150,16 +165,23 @@ def balance_split(pairs: list[dict], strategy: str, max_length_ratio: float | No
 
 # --- token budgets -------------------------------------------------------------------------------
 
+def token_ids(encoded) -> list[int]:
+    """The ids of what a tokenizer or `apply_chat_template(tokenize=True)` returned (a list or a BatchEncoding)."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
 def _template_overheads(tokenizer, prompt_messages):
     """Tokens the chat template adds around the user content and after the reply."""
-    empty = [{"role": m["role"], "content": ""} for m in prompt_messages]
-    prompt_ids = tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=True)
-    full_ids = tokenizer.apply_chat_template(empty + [{"role": "assistant", "content": "x"}], tokenize=True)
-    return len(_ids(prompt_ids)), len(_ids(full_ids)) - len(_ids(prompt_ids)) - 1
+    return _overheads_for_roles(tokenizer, tuple(m["role"] for m in prompt_messages))
 
 
-def _ids(encoded):
-    return encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+@functools.lru_cache(maxsize=64)
+def _overheads_for_roles(tokenizer, roles: tuple[str, ...]) -> tuple[int, int]:
+    # The same for every prompt with these roles: rendered once per tokenizer, not once per reply.
+    empty = [{"role": role, "content": ""} for role in roles]
+    prompt_ids = token_ids(tokenizer.apply_chat_template(empty, add_generation_prompt=True, tokenize=True))
+    full_ids = token_ids(tokenizer.apply_chat_template(empty + [{"role": "assistant", "content": "x"}], tokenize=True))
+    return len(prompt_ids), len(full_ids) - len(prompt_ids) - 1
 
 
 def truncate_tokens(tokenizer, text: str, n: int, sentence_boundary: bool = False) -> str:
@@ -186,7 +208,7 @@ def fit_prompt(tokenizer, prompt_messages: list[dict], max_prompt_tokens: int) -
 
 
 def prompt_length(tokenizer, prompt_messages: list[dict]) -> int:
-    return len(_ids(tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True)))
+    return len(token_ids(tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True)))
 
 
 def fit_reply(tokenizer, prompt_messages: list[dict], reply: str, max_length: int) -> str:

@@ -2,8 +2,8 @@
 
 `decode` is the fast path for Llama-family models: it runs the decoder layers itself over a
 preallocated KV cache, so that on a GPU each new token is one CUDA graph replay. HF `generate` on a
-4-bit model with LoRA is bound by Python launching thousands of small kernels per token (STACK.md:
-about 530 new tokens/s for 64 sequences on an H200); a replayed graph has no such cost. The LoRA
+4-bit model with LoRA is bound by Python launching thousands of small kernels per token (measured:
+about 530 new tokens/s for 64 sequences on an H200, docs/performance.md); a replayed graph has no such cost. The LoRA
 adapter is not merged: generation runs the very modules and weights that training updates.
 """
 from __future__ import annotations
@@ -12,6 +12,9 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from common.data import token_ids
+from common.model import unwrap_peft
 
 log = logging.getLogger(__name__)
 GRAPH_FAILURES: list[str] = []  # why a capture fell back to eager steps (the bench reports it)
@@ -24,7 +27,7 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     tokenizer.padding_side = "left"
     model.eval()
     if supports_fast_decode(model):
-        ids = [_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
+        ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
         new = []
         for start in range(0, len(ids), batch_size):
             new += decode(model, ids[start:start + batch_size], max_new_tokens, eos_ids(model, tokenizer),
@@ -44,23 +47,15 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return replies
 
 
-def _ids(encoded) -> list[int]:
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-
-def _causal_lm(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def supports_fast_decode(model) -> bool:
-    lm = _causal_lm(model)
+    lm = unwrap_peft(model)
     return getattr(lm.config, "model_type", None) == "llama" and hasattr(lm, "lm_head")
 
 
 def eos_ids(model, tokenizer) -> list[int]:
     """Every id that ends a reply: the tokenizer's and the generation config's (Llama 3: <|eot_id|> too)."""
     ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(_causal_lm(model), "generation_config", None), "eos_token_id", None)
+    configured = getattr(getattr(unwrap_peft(model), "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
     return sorted(i for i in ids if i is not None)
 
@@ -109,7 +104,7 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
     """New tokens for each prompt (sampled at `temperature`, greedy at 0), cut after the first end
     token. The model must be in eval mode (no LoRA dropout). On CUDA each step after the prefill is
     captured once as a graph and replayed; `cuda_graph=False` runs the same step eagerly."""
-    lm = _causal_lm(model)
+    lm = unwrap_peft(model)
     core = lm.model
     device = core.embed_tokens.weight.device
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -234,7 +229,7 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64):
         if hasattr(trainer, "_tokenize_prompts"):
             prompt_ids = trainer._tokenize_prompts(prompts)[0]
         else:
-            prompt_ids = [_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
+            prompt_ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
                           for p in prompts]
         model = trainer.accelerator.unwrap_model(trainer.model)
         was_training = model.training

@@ -1,8 +1,6 @@
 """Metrics: judge quality on preference pairs, text overlap, win rates (plain and length-controlled)
-with bootstrap intervals, and the reward-hacking watch of stage 04."""
+with bootstrap intervals."""
 from __future__ import annotations
-
-import re
 
 import numpy as np
 from rouge_score import rouge_scorer
@@ -62,41 +60,6 @@ def win_rate(scores: list[float], base_scores: list[float], n_boot: int = 2000, 
     95% percentile bootstrap interval over premises."""
     won = wins(scores, base_scores)
     return {"win_rate_vs_base": float(won.mean()), "win_rate_vs_base_ci95": bootstrap_ci(won, n_boot, seed)}
-
-
-# --- reward-hacking watch (stage 04) ------------------------------------------------------------
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"\w+(?:'\w+)?", text.lower())
-
-
-def _ngrams(words: list[str], n: int) -> list[tuple]:
-    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
-
-
-def distinct_n(texts: list[str], n: int = 2) -> float:
-    """Distinct-n over a set of texts: unique word n-grams / all word n-grams (0 when there are none).
-    Falls when the replies of a batch repeat themselves or each other."""
-    grams = [g for t in texts for g in _ngrams(_words(t), n)]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-def premise_overlap(premise: str, reply: str, n: int = 3) -> float:
-    """Share of the reply's word n-grams that also occur in the premise (0 for a reply shorter than
-    n words). Rises when the reply echoes the premise back."""
-    grams = _ngrams(_words(reply), n)
-    if not grams:
-        return 0.0
-    source = set(_ngrams(_words(premise), n))
-    return sum(g in source for g in grams) / len(grams)
-
-
-def hacking_stats(premises: list[str], replies: list[str]) -> dict:
-    """What the stage-04 watch logs for one batch of completions."""
-    return {"reply_words": float(np.mean([n_words(r) for r in replies])) if replies else 0.0,
-            "distinct_2": distinct_n(replies, 2),
-            "premise_overlap": float(np.mean([premise_overlap(p, r) for p, r in zip(premises, replies)]))
-            if replies else 0.0}
 
 
 # --- length-controlled win rate (stage 05) --------------------------------------------------------

@@ -24,7 +24,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           BitsAndBytesConfig)
 from transformers.utils import cached_file
 
-from common.config import ModelArgs
+from common.config import MODEL_PACKAGES, ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ def resolve_model_path(name_or_path: str) -> str:
     if not name_or_path.startswith("pkg:"):
         return name_or_path
     module, _, sub = name_or_path[len("pkg:"):].partition("/")
+    if module not in MODEL_PACKAGES:  # find_spec imports the parent package: only ones we know
+        raise FileNotFoundError(f"{name_or_path}: '{module}' is not a known model package ({', '.join(MODEL_PACKAGES)})")
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"{name_or_path}: Python package '{module}' is not installed (run `make venv`)")
@@ -116,6 +118,11 @@ def _load_encoder(args: ModelArgs, saved: str | Path | None, trainable: bool, to
     for p in model.parameters():
         p.requires_grad_(trainable)
     return model
+
+
+def unwrap_peft(model):
+    """The transformers model under a PeftModel (the model itself when it has no adapter)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _disable_cpu_inference_repack(model) -> None:

@@ -1,37 +1,41 @@
-"""Run directories: dated, numbered, created atomically, never overwritten.
+"""Run directories: dated, numbered, created atomically, never overwritten, and never lying.
 
 A run directory holds `config.yaml` (written first), `manifest.json`, `run.log`, `metrics.json`,
-the artifacts, and `DONE` (written last). Later stages accept only inputs that have `DONE`, and only
-inputs built on the same base model (the base lock).
+the artifacts, and `DONE` (written last, with the digest of every artifact in the manifest).
+A stage accepts an input run only when it is finished, of the expected stage, unchanged since it
+finished, built on the same base model (the base lock), and descended from the same pairs run as
+the stage's other inputs (so no held-out premise was trained on). docs/architecture.md has the contract.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
-import importlib.metadata
-import json
 import logging
 import os
-import platform
 import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
+from common import provenance, tracking
 from common.config import to_dict
+from common.data import DataError, read_json, write_json
 
 log = logging.getLogger("pipeline")
 
-PACKAGES = ["torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate",
-            "sacrebleu", "rouge-score", "wandb"]
+# Which stage an input run must come from, by the name of its command-line field.
+INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Reward",), "policy_run": ("GRPO",)}
 
 
 class RunError(RuntimeError):
     pass
+
+
+def is_main_process() -> bool:
+    """Under a multi-process launch (accelerate launch, torchrun) only rank 0 writes the run directory."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def run_dir_name(stage: str, n: int, today: datetime.date | None = None) -> str:
@@ -42,84 +46,29 @@ def run_dir_name(stage: str, n: int, today: datetime.date | None = None) -> str:
 def create_run_dir(runs_dir: str | Path, stage: str, run_name: str | None = None) -> Path:
     """Create a new run directory with a plain mkdir: two runs can never share one."""
     runs_dir = Path(runs_dir)
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    if run_name is not None:
-        path = runs_dir / run_name
-        try:
-            path.mkdir()
-        except FileExistsError:
-            raise RunError(f"run directory {path} already exists; runs are never overwritten "
-                           f"(pick another --run_name, or --resume it if it is unfinished)") from None
-        return path
-    prefix = run_dir_name(stage, 0)[: -1]  # "Nov30_SFT_Run"
-    taken = [int(m.group(1)) for p in runs_dir.iterdir()
-             if (m := re.fullmatch(re.escape(prefix) + r"(\d+)", p.name))]
-    n = max(taken, default=0) + 1
-    while True:  # another process may take the same number between listing and mkdir
-        path = runs_dir / f"{prefix}{n}"
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            n += 1
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_run(run_dir: Path) -> str:
-    """One digest over a finished run's artifacts (names and contents), logs and trackers excluded."""
-    digest = hashlib.sha256()
-    for path in sorted(run_dir.rglob("*")):
-        rel = path.relative_to(run_dir)
-        if not path.is_file() or rel.parts[0] in ("wandb", "checkpoints") or path.name == "run.log":
-            continue
-        digest.update(str(rel).encode() + b"\0" + sha256_file(path).encode() + b"\0")
-    return digest.hexdigest()
-
-
-def _git_state() -> dict:
-    root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True,
-                                    text=True, check=True).stdout.strip())
-        return {"commit": commit, "dirty": dirty}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None}
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def _gpu() -> str | None:
-    import torch
-    if not torch.cuda.is_available():
-        return None
-    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-
-
-def write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-
-
-def read_json(path: Path):
-    return json.loads(Path(path).read_text())
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        if run_name is not None:
+            path = runs_dir / run_name
+            try:
+                path.mkdir()
+            except FileExistsError:
+                raise RunError(f"run directory {path} already exists; runs are never overwritten "
+                               f"(pick another --run_name, or --resume it if it is unfinished)") from None
+            return path
+        prefix = run_dir_name(stage, 0)[: -1]  # "Nov30_SFT_Run"
+        taken = [int(m.group(1)) for p in runs_dir.iterdir()
+                 if (m := re.fullmatch(re.escape(prefix) + r"(\d+)", p.name))]
+        n = max(taken, default=0) + 1
+        while True:  # another process may take the same number between listing and mkdir
+            path = runs_dir / f"{prefix}{n}"
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                n += 1
+    except OSError as err:
+        raise RunError(f"cannot create a run directory in --runs_dir {runs_dir}: {err.strerror or err}") from None
 
 
 class Run:
@@ -127,47 +76,36 @@ class Run:
 
     def __init__(self, stage: str, config, overrides: dict, inputs: dict | None = None,
                  argv: list[str] | None = None):
-        """`inputs` maps a name to an input run directory (must be DONE) or a data file; all are
-        checked before anything is created. Their manifests are in `self.inputs`."""
-        self.stage = stage
-        self.config = config
-        self.inputs = {name: _check_input(name, path) for name, path in (inputs or {}).items()}
-        # Under a multi-process launch (accelerate launch, torchrun) every process runs the stage:
-        # rank 0 creates and writes the run directory, the others only use it (its checkpoints).
-        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        """`inputs` maps a field name to an input run directory or a data file (`data[i]`); all are
+        checked before anything is created. Their manifests are in `self.inputs` (None for files)."""
+        self.stage, self.config = stage, config
+        self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
+        self.pairs_run, self.task = _common_lineage(self.inputs, inputs or {})
+        self.is_main = is_main_process()
         if not self.is_main:
             self._follow(config)
             return
+        argv = list(sys.argv if argv is None else argv)
         if config.resume:
             self.dir = Path(config.resume)
-            if not (self.dir / "config.yaml").is_file():
-                raise RunError(f"--resume {self.dir}: not a run directory (no config.yaml)")
             if (self.dir / "DONE").exists():
                 raise RunError(f"--resume {self.dir}: that run is finished (DONE); a finished run is never modified")
             self.manifest = read_json(self.dir / "manifest.json")
             self.manifest.setdefault("resumed", []).append(
-                {"argv": list(sys.argv if argv is None else argv), "at": _now(),
-                 "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+                {"argv": argv, "at": provenance.now(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
         else:
             self.dir = create_run_dir(config.runs_dir, stage, config.run_name)
             (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
             self.manifest = {
-                "stage": stage,
-                "run_name": self.dir.name,
-                "argv": list(sys.argv if argv is None else argv),
-                "overrides": overrides,
-                "created": _now(),
-                "git": _git_state(),
-                "seed": config.seed,
-                "packages": _versions(),
-                "host": socket.gethostname(),
-                "gpu": _gpu(),
-                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                "wandb_run_id": None,
-                "wandb_group": config.wandb_group,
-                "inputs": {},
-                "base": None,
+                "stage": stage, "run_name": self.dir.name, "argv": argv, "overrides": overrides,
+                "created": provenance.now(), "git": provenance.git_state(), "seed": config.seed,
+                "packages": provenance.versions(), "host": socket.gethostname(), "gpu": provenance.gpu(),
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "wandb_run_id": None,
+                "wandb_group": config.wandb_group, "inputs": {}, "base": None,
             }
+        if stage == "Pairs":
+            self.pairs_run = str(self.dir.resolve())
+        self.manifest.update(pairs_run=self.pairs_run, task=self.task or self.manifest.get("task"))
         self._attach_log()
         for name, path in (inputs or {}).items():
             self._record_input(name, Path(path))
@@ -203,25 +141,32 @@ class Run:
         self._handler = handler
 
     def save_manifest(self) -> None:
-        if not self.is_main:
-            return
-        write_json(self.dir / "manifest.json", self.manifest)
+        if self.is_main:
+            write_json(self.dir / "manifest.json", self.manifest)
 
     def _record_input(self, name: str, path: Path) -> None:
-        digest = sha256_file(path) if path.is_file() else sha256_run(path)
-        self.manifest["inputs"][name] = {"path": str(path.resolve()), "sha256": digest}
         manifest = self.inputs[name]
-        if manifest:
-            self.manifest["inputs"][name]["stage"] = manifest.get("stage")
-            if self.manifest.get("wandb_group") is None and manifest.get("wandb_group"):
-                self.manifest["wandb_group"] = manifest["wandb_group"]  # one W&B group per pipeline
+        if manifest is None:  # a data file
+            self.manifest["inputs"][name] = {"path": str(path.resolve()), "sha256": provenance.sha256_file(path)}
+            return
+        self.manifest["inputs"][name] = {"path": str(path.resolve()), "stage": manifest.get("stage"),
+                                         "run_name": manifest.get("run_name"),
+                                         "sha256": provenance.digest_of(manifest["_digests"])}
+        if self.manifest.get("wandb_group") is None and manifest.get("wandb_group"):
+            self.manifest["wandb_group"] = manifest["wandb_group"]  # one W&B group per pipeline
+
+    def start_tracking(self) -> None:
+        tracking.start(self)
 
     def lock_base(self, fingerprint: dict) -> None:
-        """The base lock: every input run must have been built on exactly this base."""
+        """The base lock: every input model run must have been built on exactly this base."""
         for name, manifest in self.inputs.items():
-            theirs = (manifest or {}).get("base")
-            if theirs is None:
+            if manifest is None or manifest.get("stage") == "Pairs":
                 continue  # data files and pairs runs use no model
+            theirs = manifest.get("base")
+            if theirs is None:
+                raise RunError(f"input '{name}' ({manifest.get('run_name')}) records no base model in its "
+                               f"manifest: it cannot be checked against this run's base, so it is refused")
             for key in sorted(set(fingerprint) | set(theirs)):
                 if fingerprint.get(key) != theirs.get(key):
                     raise RunError(
@@ -231,67 +176,50 @@ class Run:
         self.manifest["base"] = fingerprint
         self.save_manifest()
 
-    def start_tracking(self) -> None:
-        """W&B: online with WANDB_API_KEY, else offline inside the run directory."""
-        if self.config.report_to != "wandb" or not self.is_main:
-            return
-        import wandb
-        if not os.environ.get("WANDB_API_KEY"):
-            os.environ["WANDB_MODE"] = "offline"
-        os.environ["WANDB_DIR"] = str(self.dir)
-        os.environ.setdefault("WANDB_CACHE_DIR", str(self.dir / "wandb" / "cache"))
-        os.environ.setdefault("WANDB_SILENT", "true")
-        (self.dir / "wandb").mkdir(exist_ok=True)
-        resume_id = self.manifest.get("wandb_run_id")
-        wb = wandb.init(project=self.config.wandb_project, name=self.dir.name, dir=str(self.dir),
-                        group=self.manifest["wandb_group"], job_type=self.stage,
-                        config=to_dict(self.config), id=resume_id, resume="allow" if resume_id else None)
-        self.manifest["wandb_run_id"] = wb.id
-        self.save_manifest()
-
-    def log_metrics(self, metrics: dict) -> None:
-        if self.config.report_to == "wandb":
-            import wandb
-            if wandb.run is not None:
-                wandb.run.summary.update({k: v for k, v in _flatten(metrics).items()})
+    def fail(self, metrics: dict, reason: str) -> None:
+        """End the run unfinished on purpose: its metrics are kept, no DONE, one error line."""
+        if self.is_main:
+            write_json(self.dir / "metrics.json", metrics)
+            tracking.log_summary(self.config, metrics)
+        raise RunError(reason)
 
     def finish(self, metrics: dict) -> None:
-        """Write metrics.json, close the tracker, then DONE (last, so a crash never leaves a DONE)."""
+        """Write metrics.json, close the tracker, record the artifacts' digests, then DONE (last, so a
+        crash never leaves a DONE)."""
         if not self.is_main:
             return
         write_json(self.dir / "metrics.json", metrics)
-        self.log_metrics(metrics)
-        if self.config.report_to == "wandb":
-            import wandb
-            if wandb.run is not None:
-                wandb.finish()
-        self.manifest["finished"] = _now()
+        tracking.log_summary(self.config, metrics)
+        tracking.finish(self.config)
+        self.manifest["finished"] = provenance.now()
+        self.manifest["artifacts"] = provenance.artifact_digests(self.dir)
         self.save_manifest()
-        (self.dir / "DONE").write_text(_now() + "\n")
+        (self.dir / "DONE").write_text(provenance.now() + "\n")
         log.info("done: %s", self.dir)
         logging.getLogger().removeHandler(self._handler)
         self._handler.close()
         print(f"run_dir: {self.dir}", flush=True)  # the one stdout line chaining scripts read
 
 
-def _check_input(name: str, path) -> dict | None:
-    """A data file (returns None) or a finished run directory (returns its manifest)."""
+def check_input(name: str, path) -> dict | None:
+    """A data file (returns None) or a finished, unchanged run directory of the stage that `name`
+    expects (returns its manifest, with the artifacts' digests under `_digests`)."""
     if path is None:
         raise RunError(f"--{name} is required")
     path = Path(path)
-    if path.is_file():
+    if name.startswith("data"):
+        if path.is_dir():
+            raise DataError(f"--data {path}: is a directory; give one or more .jsonl or .jsonl.gz files")
+        if not path.is_file():
+            raise DataError(f"--data {path}: no such file")
         return None
-    return require_done(path)
-
-
-def cli(main, config_cls) -> None:
-    """Entry point of a stage: bad configs, inputs and data end with a one-line error, no traceback."""
-    from common.config import ConfigError, parse_config
-    from common.data import DataError
-    try:
-        main(*parse_config(config_cls))
-    except (ConfigError, RunError, DataError) as err:
-        sys.exit(f"error: {err}")
+    manifest = require_done(path)
+    expected = INPUT_STAGES.get(name)
+    if expected and manifest.get("stage") not in expected:
+        raise RunError(f"--{name} {path}: that is a {manifest.get('stage')} run; --{name} takes a "
+                       f"{' or '.join(expected)} run")
+    manifest["_digests"] = _unchanged_artifacts(path, manifest)
+    return manifest
 
 
 def require_done(run_dir: str | Path) -> dict:
@@ -300,18 +228,40 @@ def require_done(run_dir: str | Path) -> dict:
         raise RunError(f"input {run_dir} does not exist (no such file or run directory)")
     if not (run_dir / "DONE").exists():
         raise RunError(f"input run {run_dir} has no DONE marker: it is unfinished or failed")
+    if not (run_dir / "manifest.json").is_file():
+        raise RunError(f"input run {run_dir} has no manifest.json: it is not a run directory of this pipeline")
     return read_json(run_dir / "manifest.json")
 
 
-def _flatten(metrics: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}/"))
-        elif isinstance(value, (int, float, str, bool)) or value is None:
-            out[f"{prefix}{key}"] = value
-    return out
+def _unchanged_artifacts(run_dir: Path, manifest: dict) -> dict:
+    """The artifacts' digests now; every artifact recorded when the run finished must still be there, unchanged."""
+    now = provenance.artifact_digests(run_dir)
+    for rel, digest in (manifest.get("artifacts") or {}).items():
+        if rel not in now:
+            raise RunError(f"input run {run_dir} is missing {rel}, which it had when it finished: "
+                           f"it can no longer be used (re-run that stage)")
+        if now[rel] != digest:
+            raise RunError(f"input run {run_dir}: {rel} changed after the run finished (sha256 differs): "
+                           f"a finished run is never modified; re-run that stage")
+    return now
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+def lineage(manifest: dict, path: Path) -> str | None:
+    """The pairs run that a run descends from (a pairs run descends from itself)."""
+    if manifest.get("stage") == "Pairs":
+        return str(Path(path).resolve())
+    return manifest.get("pairs_run")
+
+
+def _common_lineage(manifests: dict, paths: dict) -> tuple[str | None, str | None]:
+    """(pairs run, task) shared by every input run; different ones are refused, naming the runs."""
+    found = {name: (lineage(m, Path(paths[name])), m.get("task")) for name, m in manifests.items() if m}
+    pairs = {p for p, _ in found.values() if p}
+    if len(pairs) > 1:
+        listing = "; ".join(f"--{name} {paths[name]} descends from {p}" for name, (p, _) in found.items())
+        raise RunError(f"the input runs descend from different pairs runs ({listing}): a stage's inputs must share "
+                       f"one pairs run, or held-out premises may have been trained on")
+    tasks = {t for _, t in found.values() if t}
+    if len(tasks) > 1:
+        raise RunError(f"the input runs are of different tasks ({', '.join(sorted(tasks))})")
+    return next(iter(pairs), None), next(iter(tasks), None)

@@ -81,7 +81,7 @@ def test_gpu_cuda_graph_decode_equals_eager(lora_tiny):
 
 def test_dropping_the_mask_of_right_padded_batches_is_exact(tiny_model):
     from transformers import AutoModelForCausalLM
-    from common.training import _unmask_right_padding
+    from common.patches import unmask_right_padding
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     ids = torch.randint(10, 2000, (3, 12))
@@ -89,7 +89,7 @@ def test_dropping_the_mask_of_right_padded_batches_is_exact(tiny_model):
     mask[0, 7:] = 0
     mask[2, 10:] = 0
     ref = model(input_ids=ids, attention_mask=mask).logits
-    _unmask_right_padding(model)
+    unmask_right_padding(model)
     seen = {}
     model.model.register_forward_pre_hook(lambda m, a, k: seen.update(mask=k.get("attention_mask")), with_kwargs=True)
     out = model(input_ids=ids, attention_mask=mask).logits

@@ -61,7 +61,7 @@ def test_whole_bundled_file_is_accounted_for_and_length_balanced(tmp_path):
 
 
 def test_invalid_json_names_file_and_line(tmp_path):
-    rows = _rows()[:20]
+    rows = _rows()[:80]  # enough posts that every split keeps pairs after balancing
     path = tmp_path / "bad.jsonl"
     lines = [json.dumps(r) for r in rows]
     lines[6] = lines[6][:-5]  # truncated record on line 7
@@ -73,7 +73,7 @@ def test_invalid_json_names_file_and_line(tmp_path):
     proc = _build(tmp_path, path, extra=("--skip_bad_rows", "true"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = _check_accounting(run_dir_of(proc))
-    assert metrics["dropped"]["bad_row"] == 1 and metrics["n_input_rows"] == 20
+    assert metrics["dropped"]["bad_row"] == 1 and metrics["n_input_rows"] == 80
 
 
 @pytest.mark.parametrize("field, value", [("positive_reply", None), ("op_id", 12345)])
@@ -90,5 +90,5 @@ def test_wrong_field_type_names_file_line_and_field(tmp_path, field, value):
 def test_missing_data_file_is_a_clear_error(tmp_path):
     proc = _build(tmp_path, tmp_path / "nope.jsonl")
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == f"error: input {tmp_path / 'nope.jsonl'} does not exist (no such file or run directory)"
+    assert proc.stderr.strip().splitlines()[-1] == f"error: --data {tmp_path / 'nope.jsonl'}: no such file"
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.metrics import distinct_n, hacking_stats, length_controlled_win_rate, premise_overlap, win_rate
+from common.metrics import length_controlled_win_rate, win_rate
+from common.watch import distinct_n, hacking_stats, premise_overlap
 from common.report import plot_distributions, write_report
 
 

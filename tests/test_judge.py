@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from common.audit import BOILERPLATE, PROBES, baselines, judge_audit
+from common.audit import BOILERPLATE, PROBES, audit, baselines
 from common.data import load_split, n_words
-from common.metrics import premise_overlap
+from common.watch import WatchedReward, premise_overlap
 from common.model import ENCODER, fingerprint, resolve_model_path
-from common.rewards import RewardScorer, WatchedReward
+from common.rewards import RewardScorer
 from common.runs import RunError
 from common.config import ModelArgs
 
@@ -49,7 +49,7 @@ def _audit(score, pairs):
     train, dev = pairs[:80], pairs[80:]
     c = score([p["prompt"] for p in dev], [p["chosen"] for p in dev])
     r = score([p["prompt"] for p in dev], [p["rejected"] for p in dev])
-    return judge_audit(score, train, dev, c, r)
+    return audit(score, train, dev, c, r)
 
 
 def length_judge(prompts, replies):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.config import parse_config
+from common.cli import parse_config
+from common.config import SFTStageConfig
 from common.data import load_split
 from common.model import CAUSAL_LM, SEQ_CLS, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
@@ -20,7 +21,7 @@ sft_stage = importlib.import_module("02_train_sft")
 
 @pytest.fixture()
 def sft_config(tiny_model, pairs_run, tmp_path):
-    config, _ = parse_config(sft_stage.SFTStageConfig, [
+    config, _ = parse_config(SFTStageConfig, [
         "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", str(pairs_run),
         "--model_name_or_path", str(tiny_model), "--runs_dir", str(tmp_path)])
     return config
@@ -114,7 +115,7 @@ def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
     from conftest import run_dir_of, run_stage
     reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
                                   "--pairs_run", pairs_run, "--runs_dir", tmp_path, "--learning_rate", "0.01"))
-    config, _ = parse_config(sft_stage.SFTStageConfig, ["--config", "configs/tiny/02_train_sft.yaml"])
+    config, _ = parse_config(SFTStageConfig, ["--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", str(pairs_run)])
     saved = load_file(reward / "adapter" / "adapter_model.safetensors")
     head_keys = [k for k in saved if "score" in k]
     assert head_keys, "the score head is not in the saved adapter"

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.config import ConfigError, ModelArgs, RunArgs, TrainArgs, parse_config
+from common.cli import parse_config
+from common.config import ConfigError, ModelArgs, RunArgs, TrainArgs
 from common.runs import Run, RunError, create_run_dir, run_dir_name
 
 
@@ -70,9 +71,9 @@ def test_overrides_are_typed_and_returned(tmp_path):
         parse_config(DemoConfig, ["--lora_r", "big"])
 
 
-def _finished_run(path, base):
+def _finished_run(path, base, stage="SFT"):
     path.mkdir()
-    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "base": base}))
+    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "stage": stage, "base": base}))
     (path / "DONE").write_text("")
     return path
 
@@ -81,7 +82,7 @@ def test_base_lock_names_the_differing_field(tmp_path):
     config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
     mine = {"model": "m", "lora_r": 64, "config_sha256": "a"}
     same = _finished_run(tmp_path / "same", mine)
-    pairs = _finished_run(tmp_path / "pairs", None)  # pairs runs carry no base
+    pairs = _finished_run(tmp_path / "pairs", None, "Pairs")  # pairs runs carry no base
     Run("SFT", config, {}, inputs={"pairs_run": pairs, "sft_run": same}, argv=["test"]).lock_base(mine)
     other = _finished_run(tmp_path / "other", {**mine, "config_sha256": "b"})
     run = Run("SFT", config, {}, inputs={"sft_run": other}, argv=["test"])

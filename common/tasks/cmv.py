@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from common.data import DataError
+from common.data import SENTENCE_END, DataError
 
 NAME = "cmv"
 INSTRUCTION = ("Below is a post from r/ChangeMyView, where the author asks others to change their view. "
@@ -37,7 +37,6 @@ _DELTA = re.compile(r"\bdeltas?\b|[\u0394\u2206]|&#8710;|!delta|deltabot", re.I)
 _BOILERPLATE = re.compile(
     r"I am a bot|this action was performed automatically|message the moderators|contact the moderators"
     r"|hello,? users of cmv|footnote from your moderators|/r/changemyview/wiki|^\s*\^\^?\(", re.I | re.M)
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -67,7 +66,7 @@ def _drop_delta_sentences(text: str) -> str:
     lines = []
     for line in text.split("\n"):
         if _DELTA.search(line):
-            line = " ".join(s for s in _SENTENCE_END.split(line) if not _DELTA.search(s))
+            line = " ".join(s for s in SENTENCE_END.split(line) if not _DELTA.search(s))
         lines.append(line)
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 

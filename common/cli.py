@@ -1,0 +1,209 @@
+"""The command line of every stage: `--config FILE` plus `--field value` overrides, `--resume DIR`,
+`--help`, and the one-line `error: ...` for bad settings, inputs and data.
+
+    python 0N_<stage>.py --config configs/<recipe>/0N_<stage>.yaml [--field value ...]
+    python 0N_<stage>.py --resume runs/Nov30_SFT_Run3        # the run's own settings
+
+An unknown key, in the file or on the command line, is an error that names it. The overrides are
+returned so that the run's manifest records exactly what differed from the YAML. A resumed run
+keeps the settings in its own `config.yaml`: a value given again must be the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+from common.config import ConfigError, describe, type_ok
+
+log = logging.getLogger("pipeline")
+NOT_COMPARED_ON_RESUME = ("resume", "run_name")  # how the run was found, not how it runs
+
+
+def parse_config(cls, argv: list[str] | None = None):
+    """Build `cls` from `--config FILE` (or `--resume DIR`'s config.yaml) plus `--field value`
+    overrides. Returns (config, overrides). Command-line values are read as YAML scalars
+    (`--lora_r 16`, `--learning_rate 1e-4`); a list field takes several words (`--data a b`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    pairs = _split_argv(argv, hints)
+    given = dict(pairs)
+    for key in given:
+        if key != "config" and key not in names:
+            raise ConfigError(f"command line: unknown field '--{key}' (known: {', '.join(sorted(names))})")
+    if cls.STAGE and "config" not in given and "resume" not in given:
+        raise ConfigError(f"--config is required: a recipe such as configs/llama3-8b/{_script_yaml(cls)} "
+                          f"(or --resume RUN_DIR to continue a run)")
+
+    values, sources = {}, {}
+    if "config" in given:
+        path = Path(given["config"][0])
+        for key, value in _read_yaml(path, names).items():
+            values[key], sources[key] = _coerce(key, value, hints[key], str(path)), str(path)
+    overrides = {}
+    for key, raws in pairs:
+        if key == "config":
+            continue
+        values[key] = overrides[key] = _coerce(key, _parse_raw(raws, hints[key]), hints[key], "command line")
+        sources[key] = "command line"
+
+    if "resume" in given:
+        values = _bind_to_run(cls, Path(values["resume"]), values, sources, names, hints)
+        overrides = {"resume": values["resume"]}
+    try:
+        config = cls(**values)
+    except ConfigError as err:
+        where = sources.get(err.field, "config")
+        raise ConfigError(f"{where}: {err}", err.field) from None
+    return config, overrides
+
+
+def _split_argv(argv: list[str], hints: dict) -> list[tuple[str, list[str]]]:
+    """(field, raw values) in command-line order; a list field takes every value up to the next --."""
+    pairs, i = [], 0
+    while i < len(argv):
+        key = argv[i]
+        if not key.startswith("--"):
+            raise ConfigError(f"command line: expected --field, got {key!r}")
+        key, _, inline = key[2:].replace("-", "_").partition("=")
+        end = i + 1
+        while end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        raws = [inline] if inline else argv[i + 1:end]
+        if not raws:
+            raise ConfigError(f"command line: --{key} needs a value")
+        if len(raws) > 1 and not _is_list(hints.get(key)):
+            raise ConfigError(f"command line: --{key} takes one value, got {raws}")
+        pairs.append((key, raws))
+        i = i + 1 if inline else end
+    return pairs
+
+
+def _read_yaml(path: Path, names: set) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields")
+    for key in loaded:
+        if key not in names:
+            raise ConfigError(f"{path}: unknown field '{key}' (known: {', '.join(sorted(names))})")
+    return loaded
+
+
+def _bind_to_run(cls, run_dir: Path, requested: dict, sources: dict, names: set, hints: dict) -> dict:
+    """--resume: the run's own stage and settings. A value asked for again must equal the run's."""
+    from common.data import read_json
+    if not (run_dir / "manifest.json").is_file() or not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"--resume {run_dir}: not a run directory (no manifest.json and config.yaml)")
+    stage = read_json(run_dir / "manifest.json").get("stage")
+    if stage != cls.STAGE:
+        raise ConfigError(f"--resume {run_dir}: that is a {stage} run; this script continues {cls.STAGE} runs only")
+    if (run_dir / "DONE").exists():
+        raise ConfigError(f"--resume {run_dir}: that run is finished (DONE); a finished run is never modified")
+    recorded = _read_yaml(run_dir / "config.yaml", names)
+    for key, value in requested.items():
+        if key in NOT_COMPARED_ON_RESUME:
+            continue
+        theirs = _coerce(key, recorded.get(key), hints[key], str(run_dir / "config.yaml"))
+        if value != theirs:
+            raise ConfigError(f"--resume {run_dir}: field '{key}' is {value!r} ({sources[key]}) but {theirs!r} in "
+                              f"the run's config.yaml; a resumed run keeps its settings (start a new run to change them)")
+    return {**recorded, "resume": str(run_dir)}
+
+
+def _coerce(name: str, value, annotation, where: str):
+    if float in (annotation, *typing.get_args(annotation)) and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not type_ok(value, annotation):
+        raise ConfigError(f"{where}: field '{name}' expects {describe(annotation)}, got {value!r}", name)
+    return value
+
+
+def _accepts_str(annotation) -> bool:
+    return annotation is str or str in typing.get_args(annotation) or \
+        any(isinstance(a, str) for a in typing.get_args(annotation))  # Literal choices
+
+
+def _is_list(annotation) -> bool:
+    return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+
+
+def _parse_raw(raws: list[str], annotation):
+    """Command-line strings -> a value: list fields take each word or a YAML list, string fields keep
+    the text, anything else is read as YAML; `null` is None."""
+    if _is_list(annotation):
+        return yaml.safe_load(raws[0]) if len(raws) == 1 and raws[0].startswith("[") else list(raws)
+    (raw,) = raws
+    if raw.lower() in ("null", "~"):
+        return None
+    if _accepts_str(annotation):
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw  # the type check names the field
+
+
+def _script_yaml(cls) -> str:
+    return {"Pairs": "01_build_pairs.yaml", "SFT": "02_train_sft.yaml", "Reward": "03_train_reward.yaml",
+            "GRPO": "04_train_grpo.yaml", "Eval": "05_eval.yaml"}.get(cls.STAGE, "0N_<stage>.yaml")
+
+
+def help_text(cls, doc: str) -> str:
+    """The stage's docstring, then every field with its type, default and help: the stage's own
+    fields first, then each shared group."""
+    lines = [doc.strip(), "", "Options (in the YAML of --config, or as --field value):"]
+    hints, fields, done = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}, set()
+    for klass in cls.__mro__:
+        names = [n for n in vars(klass).get("__annotations__", {}) if n in fields and n not in done]
+        if not names:
+            continue
+        lines += ["", f"{klass.__name__}: {(klass.__doc__ or '').strip().splitlines()[0]}"]
+        for name in names:
+            f = fields[name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            lines.append(f"  --{name} ({describe(hints[name])}; default {yaml.safe_dump(default).splitlines()[0]})")
+            if f.metadata.get("help"):
+                lines.append(f"      {f.metadata['help']}")
+            done.add(name)
+    return "\n".join(lines)
+
+
+def cli(main, config_cls, doc: str = "") -> None:
+    """Entry point of a stage: `--help`, then main(config, overrides). Bad settings, inputs and data
+    end with one `error: ...` line (also written to the run's log when the run directory exists)."""
+    from common.data import DataError
+    from common.runs import RunError
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(help_text(config_cls, doc))
+        return
+    try:
+        main(*parse_config(config_cls))
+    except (ConfigError, RunError, DataError) as err:
+        _to_run_log(f"error: {err}")
+        sys.exit(f"error: {err}")
+    except Exception:
+        log.exception("the stage failed")  # a bug: the traceback goes to run.log and the terminal
+        raise
+
+
+def _to_run_log(message: str) -> None:
+    """The run's log file (when a run directory exists) says why the run failed."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

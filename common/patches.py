@@ -1,0 +1,129 @@
+"""Every change to the model or its data that a config asks for, in one place.
+
+Each stage's `build_trainer` calls `apply(trainer, config)` once its TRL trainer exists, and the
+run's manifest records what was applied (`patches`). Nothing else in the pipeline changes a model's
+forward or a trainer's data behind the config's back.
+
+| change | when | what it does |
+| --- | --- | --- |
+| unmask_right_padding | always (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
+| add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
+| offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
+| apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE |
+| chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.config import TrainArgs
+from common.model import unwrap_peft
+
+log = logging.getLogger("pipeline")
+
+
+def apply(trainer, config: TrainArgs) -> list[str]:
+    """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
+    applied = ["unmask_right_padding"]
+    unmask_right_padding(trainer.model)
+    if config.group_by_length and add_length_column(trainer):
+        applied.append("add_length_column")
+    if config.offload_activations:
+        offload_saved_activations(trainer.model)
+        applied.append("offload_saved_activations")
+    if config.liger_kernel and torch.cuda.is_available() and apply_liger_kernels(trainer):  # Triton: GPUs only
+        applied.append("apply_liger_kernels")
+    if config.mlp_chunk_tokens:  # after Liger, whose SwiGLU it then wraps
+        chunk_mlps(trainer.model, config.mlp_chunk_tokens)
+        applied.append("chunk_mlps")
+    log.info("model and data changes: %s", ", ".join(applied))
+    return applied
+
+
+def add_length_column(trainer) -> bool:
+    """group_by_length: the sampler reads lengths from `input_ids` (SFT); a preference dataset
+    (chosen_ids, rejected_ids) gets a `length` column, the longer reply of each pair (the collator pads
+    both to it), kept through the trainer's column filter."""
+    data, name = trainer.train_dataset, trainer.args.length_column_name
+    if data is None or not hasattr(data, "column_names") or "input_ids" in data.column_names \
+            or name in data.column_names:
+        return False
+    id_columns = [c for c in data.column_names if c.endswith("_ids")]
+    if not id_columns:
+        return False
+    trainer.train_dataset = data.map(lambda row: {name: max(len(row[c]) for c in id_columns)})
+    # TRL's private column filter would drop the new column; tests/test_patches.py fails when it changes.
+    trainer._set_signature_columns_if_needed()
+    trainer._signature_columns = list(trainer._signature_columns) + [name]
+    return True
+
+
+def apply_liger_kernels(trainer) -> bool:
+    """Liger's Triton RMSNorm, SwiGLU and RoPE in the trained model (and a GRPO judge's model): fused
+    element-wise passes that also save less for backward (bench/RESULTS.md). The loss stays TRL's:
+    `use_liger_kernel=True` would also swap in Liger's fused cross-entropy forward, which a sequence
+    classifier lacks (lm_head error) and which TRL's own fused LM head replaces anyway."""
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    except ImportError:
+        log.warning("liger_kernel: true but the liger-kernel package is missing (pip install liger-kernel==0.8.5): "
+                    "training runs without its kernels, slower")
+        return False
+    judges = [getattr(f, "scorer", f) for f in getattr(trainer, "reward_funcs", [])]  # WatchedReward wraps one
+    models = [trainer.model] + [getattr(j, "model", None) for j in judges]
+    for model in models:
+        if model is not None and not getattr(model, "_liger_applied", False):
+            _apply_liger_kernel_to_instance(unwrap_peft(model), rope=True, rms_norm=True, swiglu=True,
+                                            cross_entropy=False, fused_linear_cross_entropy=False)
+            model._liger_applied = True
+    return True
+
+
+def chunk_mlps(model, tokens: int) -> None:
+    """Very long inputs: each MLP runs over the sequence in pieces of `tokens`, each checkpointed, so that
+    in backward only one piece's 14336-wide intermediates are alive (about 3 GiB less at 32k tokens,
+    for one more MLP forward). Applied after Liger, whose SwiGLU it then wraps."""
+    from torch.utils.checkpoint import checkpoint
+    for layer in unwrap_peft(model).model.layers:
+        def chunked(x, forward=layer.mlp.forward):
+            if x.shape[1] <= tokens or not torch.is_grad_enabled():
+                return forward(x)
+            return torch.cat([checkpoint(forward, part, use_reentrant=False) for part in x.split(tokens, dim=1)],
+                             dim=1)
+        layer.mlp.forward = chunked
+
+
+def unmask_right_padding(model) -> None:
+    """A right-padded training batch needs no attention mask: under causal attention no real token sees
+    the padding after it, and pad positions carry no loss (labels -100; the reward head reads the last
+    real token). Without the mask SDPA runs its flash kernel instead of the masked one, which real-length
+    batches otherwise pay for (bench/RESULTS.md). Left padding (GRPO's prompts) keeps its mask."""
+    def drop_mask(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if module.training and isinstance(mask, torch.Tensor) and mask.dim() == 2 \
+                and bool((mask[:, 1:] <= mask[:, :-1]).all()):
+            return args, {**kwargs, "attention_mask": None}
+        return None
+
+    model.register_forward_pre_hook(drop_mask, with_kwargs=True)
+
+
+def offload_saved_activations(model) -> None:
+    """Inside each training forward, keep what autograd saves for backward (with reentrant
+    checkpointing: each layer's input) in pinned CPU memory; 32k-token inputs then fit a small GPU."""
+    active = []
+
+    def enter(module, args):
+        if module.training and torch.is_grad_enabled():
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            ctx.__enter__()
+            active.append(ctx)
+
+    def leave(module, args, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)

@@ -1,0 +1,140 @@
+"""The reward-hacking watch of stage 04: what every batch of GRPO replies looks like, and a guard
+that stops the run when reply length drifts (how a length-biased judge gets gamed).
+
+`WatchedReward` is GRPO's reward function: the judge's scores, plus, for every batch, the mean
+reply length (words), distinct-2 over the batch and the overlap with the premise (share of the
+reply's word 3-grams found in it), logged through TRL's `log_metric` (so they land in the trainer's
+log history and W&B as `watch/...`). The guard's reference length (the mean of the run's first
+batches) is kept in the run directory, so a resumed or requeued run keeps the same reference.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+from transformers import TrainerCallback
+
+from common.data import n_words, write_json
+
+log = logging.getLogger("pipeline")
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+(?:'\w+)?", text.lower())
+
+
+def _ngrams(words: list[str], n: int) -> list[tuple]:
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: list[str], n: int = 2) -> float:
+    """Distinct-n over a set of texts: unique word n-grams / all word n-grams (0 when there are none).
+    Falls when the replies of a batch repeat themselves or each other."""
+    grams = [g for t in texts for g in _ngrams(_words(t), n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def premise_overlap(premise: str, reply: str, n: int = 3) -> float:
+    """Share of the reply's word n-grams that also occur in the premise (0 for a reply shorter than
+    n words). Rises when the reply echoes the premise back."""
+    grams = _ngrams(_words(reply), n)
+    if not grams:
+        return 0.0
+    source = set(_ngrams(_words(premise), n))
+    return sum(g in source for g in grams) / len(grams)
+
+
+def hacking_stats(premises: list[str], replies: list[str]) -> dict:
+    """What the watch logs for one batch of completions."""
+    return {"reply_words": float(np.mean([n_words(r) for r in replies])) if replies else 0.0,
+            "distinct_2": distinct_n(replies, 2),
+            "premise_overlap": float(np.mean([premise_overlap(p, r) for p, r in zip(premises, replies)]))
+            if replies else 0.0}
+
+
+class WatchedReward:
+    """GRPO's reward function: `scorer`'s scores, watched. The guard trips when the mean reply length
+    leaves [reference / max_length_ratio, reference * max_length_ratio] for `patience` batches in a
+    row, where reference is the mean over the run's first `reference_batches` batches (kept in
+    `state_path`); the callback from `stop_callback()` then stops training at the end of that step.
+    max_length_ratio None disables the guard."""
+    __name__ = "reward_model"  # GRPOTrainer names the reward's log column after it
+
+    def __init__(self, scorer, max_length_ratio: float | None = None, patience: int = 1,
+                 reference_batches: int = 1, state_path: Path | None = None):
+        if max_length_ratio is not None and max_length_ratio <= 1:
+            raise ValueError(f"max_length_ratio must be > 1 (or None to disable the guard), got {max_length_ratio}")
+        self.scorer, self.max_length_ratio = scorer, max_length_ratio
+        self.patience, self.reference_batches = max(1, patience), max(1, reference_batches)
+        self.state_path = Path(state_path) if state_path else None
+        self.history: list[dict] = []
+        self.reference: float | None = None
+        self._firsts: list[float] = []
+        self.tripped: str | None = None
+        self._breaches = 0
+        if self.state_path and self.state_path.is_file():  # a resumed run: the reference of its first batches
+            self.reference = json.loads(self.state_path.read_text())["reference_words"]
+
+    def __call__(self, prompts, completions, log_metric=None, trainer_state=None, **kwargs) -> list[float]:
+        replies = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        premises = [p[-1]["content"] if isinstance(p, list) else p for p in prompts]
+        stats = hacking_stats(premises, replies)
+        scores = self.scorer.score(prompts, replies)
+        stats["reward_mean"] = sum(scores) / len(scores) if scores else float("nan")
+        # the optimiser step these completions train (the trainer's counter has not moved yet)
+        step = trainer_state.global_step + 1 if trainer_state is not None else len(self.history) + 1
+        self.history.append({"step": step, **stats})
+        if log_metric is not None:
+            for key, value in stats.items():
+                if key != "reward_mean":
+                    log_metric(f"watch/{key}", value)
+        self._check(stats["reply_words"], step)
+        return scores
+
+    def _check(self, words: float, step: int) -> None:
+        if self.max_length_ratio is None or self.tripped:
+            return
+        if self.reference is None:
+            self._firsts.append(words)
+            if len(self._firsts) == self.reference_batches:
+                self.reference = sum(self._firsts) / len(self._firsts)
+                if self.state_path:
+                    write_json(self.state_path, {"reference_words": self.reference, "batches": self.reference_batches,
+                                                 "step": step})
+            return
+        low, high = self.reference / self.max_length_ratio, self.reference * self.max_length_ratio
+        if low <= words <= high:
+            self._breaches = 0
+            return
+        self._breaches += 1
+        if self._breaches >= self.patience:
+            self.tripped = (
+                f"reward-hacking guard: mean reply length {words:.1f} words at step {step} is outside "
+                f"[{low:.1f}, {high:.1f}] (the run's first {self.reference_batches} batch(es) averaged "
+                f"{self.reference:.1f} words; max_length_ratio={self.max_length_ratio}) for {self._breaches} "
+                f"batch(es) in a row: the policy is drifting in length, which is how a length-biased judge "
+                f"gets gamed. Training stopped; see metrics.json per_step and judge_audit.json of the reward run.")
+            log.error(self.tripped)
+
+    def stop_callback(self) -> TrainerCallback:
+        watch = self
+
+        class _StopOnGuard(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if watch.tripped:
+                    control.should_training_stop = True
+                return control
+
+        return _StopOnGuard()
+
+
+def watch_per_step(log_history: list[dict]) -> list[dict]:
+    """Stage 04's per-step record from the trainer's log: reward, reply length, and the watch."""
+    return [{"step": h["step"], "reward_mean": h.get("reward"),
+             "reply_length_mean": h.get("completions/mean_length"),  # tokens, as TRL counts them
+             "reply_words_mean": h.get("watch/reply_words"), "distinct_2": h.get("watch/distinct_2"),
+             "premise_overlap": h.get("watch/premise_overlap")}
+            for h in log_history if "reward" in h]
