@@ -1,0 +1,345 @@
+"""Paper reviewing (issue 8): a paper's text -> a structured peer review that ends in a rating.
+
+Reads rows in the bundled format (data/review/README.md: one paper with its official reviews per
+line) and turns each into examples, or into a drop reason. The target is rebuilt deterministically
+from the real reviews in one fixed format (docs/review.md gives the exact mapping):
+
+    ### Key Points / ### Strengths and Weaknesses / ### Suggestions for Improvement / ### Rating
+
+`merged` makes one target per paper (every reviewer's points, ratings averaged to one decimal);
+`per_review` makes one per official review, with that reviewer's own rating. Pure Python: the
+stages import it before torch.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from common.data import DataError, n_words
+
+NAME = "review"
+TARGETS = ("merged", "per_review")
+SCALES = {"overall": (1, 6), "confidence": (1, 5)}  # NeurIPS 2025: rating 1-6, confidence 1-5
+INSTRUCTION = (
+    "You are reviewing a paper submitted to a machine-learning conference. Read it and write a peer "
+    "review in exactly this format:\n\n"
+    "### Key Points\n<what the paper does and claims>\n"
+    "### Strengths and Weaknesses\nStrengths:\n- <strength>\nWeaknesses:\n- <weakness>\n"
+    "### Suggestions for Improvement\n- <question or suggestion>\n"
+    "### Rating\nOverall Quality: <1-6>\nReview Confidence: <1-5>\n\n"
+    "Overall Quality: 6 strong accept, 5 accept, 4 borderline accept, 3 borderline reject, 2 reject, "
+    "1 strong reject. Review Confidence: 5 certain, 4 confident, 3 fairly confident, 2 willing to "
+    "defend but unsure, 1 educated guess.\n\nThe paper:\n\n")
+
+# Word budgets per part of a target, so a merged review of five reviewers stays near a single
+# review's length (at most ~800 words, about 1,000 Llama 3 tokens) and long reviews are cut alike.
+BUDGET = {"key_points": 200, "strengths": 150, "weaknesses": 250, "suggestions": 150}
+BULLET_WORDS = 60   # one bullet is cut to this many words (at a sentence end when there is one)
+NONE = "None stated."
+
+# The scraper joins the review form's fields as "SUMMARY:\n...\n\nSTRENGTHS AND WEAKNESSES:\n..."
+_SECTION = re.compile(r"(?:\A|\n\n)(SUMMARY|STRENGTHS AND WEAKNESSES|STRENGTHS|WEAKNESSES|QUESTIONS|LIMITATIONS):"
+                      r"[ \t]*\n")
+_I, _IM = re.IGNORECASE, re.IGNORECASE | re.MULTILINE
+_MARKUP = r"^[ \t#*_>\-\d.()]*"
+# A line that opens the weaknesses half of a "strengths and weaknesses" field ("**Weaknesses**:",
+# "Cons", "Areas for Improvement:", "2. Weaknesses - ..."), or the strengths half.
+_WEAK_HEAD = re.compile(_MARKUP + r"(?:major |main |key )?(?:weakness\w*|cons|concerns?|limitations?|drawbacks?"
+                        r"|weak points?|negatives?|areas? (?:for|of) improvement)\b[ \t*_]*(?:[:：;.\-]|$)", _IM)
+_STRONG_HEAD = re.compile(_MARKUP + r"(?:main |key )?(?:strengths?|pros|strong points?|positives?)\b[ \t*_]*"
+                          r"(?:[:：;.\-]|$)[ \t]*", _IM)
+# Without such a heading, a point counts as a weakness when it reads like one.
+_NEGATIVE = re.compile(r"\b(however|lacks?|lacking|missing|unclear|not clear|limited|limitations?|weak\w*|concerns?"
+                       r"|insufficient|fails?|unfortunately|questionable|unconvincing|confusing|should|would benefit)\b", _I)
+_BULLET = re.compile(r"^\s*(?:[-*•+]|\d{1,2}[.)]|\(\d{1,2}\)|[SWQ]\d{1,2}[.:)]?|\(?[a-z]\))\s+")
+# Items that only point elsewhere ("See weaknesses.", "N/A") say nothing in a target of their own.
+_EMPTY = re.compile(r"^\W*(?:(?:please\s+)?(?:see|refer to)\b|n/?a\W*$|none\W*$|no\W*$)", _I)
+_RULE = re.compile(r"^\s*([-=*_])\1{2,}\s*$")
+# A heading: markdown "#", a bold-only line, or (opening a paragraph) a short line ending in ":" or up
+# to three bare words.
+_HEADING = re.compile(r"^\s*(#+\s*.*|\*\*[^*]+\*\*:?|[^.!?]{1,60}:|\w+(?: [\w&/-]+){0,2})\s*$")
+_RATING = {"overall": re.compile(r"overall\s+quality\s*[:：=]?\s*(-?\d+(?:\.\d+)?)", _I),
+           "confidence": re.compile(r"review\s+confidence\s*[:：=]?\s*(-?\d+(?:\.\d+)?)", _I)}
+
+
+# --- row checks ----------------------------------------------------------------------------------
+
+def _type_error(where: str, name: str, want: str, value, present: bool = True):
+    got = "missing" if not present else f"{type(value).__name__} {value!r:.40}"
+    return DataError(f"{where}: field '{name}' must be {want}, got {got}")
+
+
+def _str(obj: dict, name: str, where: str, required: bool, label: str | None = None):
+    value = obj.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise _type_error(where, label or name, "a string", value, name in obj)
+    return value
+
+
+def _number(obj: dict, name: str, where: str, label: str):
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _type_error(where, label, "a number or null", value)
+    return float(value)
+
+
+def _reviews(row: dict, where: str) -> list[dict]:
+    """The row's reviews as {index, text, rating, confidence}; malformed ones raise DataError."""
+    reviews = row.get("reviews")
+    if not isinstance(reviews, list):
+        raise _type_error(where, "reviews", "a list", reviews, "reviews" in row)
+    out = []
+    for i, rv in enumerate(reviews):
+        label = f"reviews[{i}]"
+        if not isinstance(rv, dict):
+            raise _type_error(where, label, "an object", rv)
+        out.append({"index": i, "text": (_str(rv, "text", where, False, f"{label}.text") or "").strip(),
+                    "rating": _number(rv, "rating", where, f"{label}.rating"),
+                    "confidence": _number(rv, "confidence", where, f"{label}.confidence")})
+    return out
+
+
+def _rated(review: dict) -> bool:
+    """A review is used when it has a rating and some text; others are counted as skipped."""
+    return review["rating"] is not None and bool(review["text"])
+
+
+def count_reviews(row) -> dict:
+    """{"n_reviews", "n_rated"} of one input row (n_rated: the reviews `to_examples` uses). Tolerant of
+    malformed rows (zeros), so a skipped bad row can still be counted."""
+    reviews = row.get("reviews") if isinstance(row, dict) else None
+    if not isinstance(reviews, list):
+        return {"n_reviews": 0, "n_rated": 0}
+    try:
+        rated = sum(_rated(r) for r in _reviews(row, "-"))
+    except DataError:
+        rated = 0
+    return {"n_reviews": len(reviews), "n_rated": rated}
+
+
+# --- review text -> sections -> target -----------------------------------------------------------
+
+def _cut(text: str, n: int) -> str:
+    """The first n words, ending at the last sentence end in the second half of them, else "..."."""
+    words = text.split()
+    if len(words) <= n:
+        return " ".join(words)
+    head = " ".join(words[:n])
+    end = max(head.rfind(m) for m in (". ", "? ", "! "))
+    return head[:end + 1] if end >= len(head) // 2 else head + " ..."
+
+
+def bullets(text: str) -> list[str]:
+    """List items and paragraphs of a free-text field, one line each. A heading line ("## Quality",
+    "**Novelty:**") is prefixed to the item after it; horizontal rules and items that only point
+    elsewhere ("See weaknesses.") are dropped; each item is cut to BULLET_WORDS words."""
+    items, current, head = [], None, None
+    for line in text.split("\n"):
+        if not line.strip() or _RULE.match(line):
+            current = None
+        elif _HEADING.match(line) and not _BULLET.match(line) and (current is None or line.lstrip()[:1] in "#*"):
+            head, current = line.strip(" #*_:\t"), None  # a short line inside a paragraph is just wrapped text
+        else:
+            marker = _BULLET.match(line)
+            if current is None or marker:
+                body = line[marker.end():] if marker else line
+                current = [f"{head}: {body.strip()}" if head else body.strip()]
+                items.append(current)
+                head = None
+            else:
+                current.append(line.strip())
+    if head:  # a heading with nothing after it is kept as a point of its own
+        items.append([head])
+    out = [_cut(re.sub(r"\*\*|__", "", " ".join(parts)), BULLET_WORDS) for parts in items]
+    return [b for b in out if b.strip(" :.") and not (_EMPTY.match(b) and n_words(b) <= 20)]
+
+
+def split_strengths_weaknesses(text: str) -> tuple[list[str], list[str]]:
+    """At the first weaknesses heading; without one, each point goes by whether it reads negative."""
+    weak = _WEAK_HEAD.search(text)
+    if weak:
+        strong_part = _STRONG_HEAD.sub("", text[:weak.start()], count=1)
+        return bullets(strong_part), bullets(text[weak.end():])
+    points = bullets(_STRONG_HEAD.sub("", text, count=1))
+    return [p for p in points if not _NEGATIVE.search(p)], [p for p in points if _NEGATIVE.search(p)]
+
+
+def review_sections(review: dict) -> dict:
+    """One review {text, rating, confidence} -> the parts of a target (see build_target)."""
+    fields, name = {}, "STRENGTHS AND WEAKNESSES"  # text before any header counts as that field
+    for i, part in enumerate(_SECTION.split(review["text"])):
+        if i % 2:
+            name = part
+        elif part.strip():
+            fields[name] = (fields.get(name, "") + "\n\n" + part).strip()
+    strengths, weaknesses = split_strengths_weaknesses(fields.get("STRENGTHS AND WEAKNESSES", ""))
+    limitations = fields.get("LIMITATIONS", "")  # mostly "yes"; kept when it says more
+    limitations = bullets(limitations) if n_words(limitations) >= 8 else []
+    return {"key_points": bullets(fields.get("SUMMARY", "")),
+            "strengths": strengths + bullets(fields.get("STRENGTHS", "")),
+            "weaknesses": weaknesses + bullets(fields.get("WEAKNESSES", "")),
+            "suggestions": bullets(fields.get("QUESTIONS", "")) + limitations,
+            "rating": review["rating"], "confidence": review["confidence"]}
+
+
+def _round1(x: float) -> float:
+    """Half up to one decimal (4.25 -> 4.3; Python's round() would say 4.2)."""
+    return math.floor(x * 10 + 0.5) / 10
+
+
+def _mean1(values):
+    values = [v for v in values if v is not None]
+    return _round1(sum(values) / len(values)) if values else None
+
+
+def _round_robin(lists: list[list[str]]) -> list[str]:
+    """The first item of each list, then the second of each, ...: every reviewer gets a say early."""
+    return [lst[i] for i in range(max(map(len, lists), default=0)) for lst in lists if i < len(lst)]
+
+
+def merge_sections(parts: list[dict]) -> dict:
+    """Several reviewers' sections -> one (reviewers in file order): key points are each reviewer's
+    first summary paragraph; strengths, weaknesses and suggestions go round-robin (build_target drops
+    repeats and applies the word budgets); rating and confidence are means, rounded to one decimal."""
+    return {"key_points": [p["key_points"][0] for p in parts if p["key_points"]],
+            **{k: _round_robin([p[k] for p in parts]) for k in ("strengths", "weaknesses", "suggestions")},
+            "rating": _mean1(p["rating"] for p in parts), "confidence": _mean1(p["confidence"] for p in parts)}
+
+
+def _fit(items: list[str], budget: int) -> list[str]:
+    """Leading distinct items within the word budget (the first one always, cut if need be)."""
+    out, used, seen = [], 0, set()
+    for item in items:
+        if item.casefold() in seen:
+            continue
+        n = len(item.split())
+        if out and used + n > budget:
+            break
+        out.append(_cut(item, budget))
+        used, seen = used + n, seen | {item.casefold()}
+    return out
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{_round1(float(x)):g}"
+
+
+def build_target(sections: dict) -> str:
+    """{key_points, strengths, weaknesses, suggestions: [str], rating, confidence} -> the target text.
+    Each part keeps its leading distinct items within its BUDGET of words; one key point is written
+    as a paragraph, several as bullets; an empty list reads "None stated.". Ratings are written
+    rounded half up to one decimal without a trailing ".0" ("4", "4.3"), a missing one as "n/a"."""
+    key = _fit(sections["key_points"], BUDGET["key_points"])
+    lists = {k: "\n".join(f"- {x}" for x in _fit(sections[k], BUDGET[k])) or f"- {NONE}"
+             for k in ("strengths", "weaknesses", "suggestions")}
+    return (f"### Key Points\n{key[0] if len(key) == 1 else chr(10).join(f'- {x}' for x in key) or NONE}\n"
+            f"### Strengths and Weaknesses\nStrengths:\n{lists['strengths']}\nWeaknesses:\n{lists['weaknesses']}\n"
+            f"### Suggestions for Improvement\n{lists['suggestions']}\n"
+            f"### Rating\nOverall Quality: {_num(sections['rating'])}\nReview Confidence: {_num(sections['confidence'])}")
+
+
+def parse_review(text: str) -> dict:
+    """{"overall", "confidence"}: the number after the last "Overall Quality" / "Review Confidence"
+    (markdown emphasis ignored); None when absent or off the scale (1-6, 1-5)."""
+    text = re.sub(r"[*_`]", "", text or "")
+    out = {}
+    for key, pattern in _RATING.items():
+        found = pattern.findall(text)
+        value = float(found[-1]) if found else None
+        low, high = SCALES[key]
+        out[key] = value if value is not None and low <= value <= high else None
+    return out
+
+
+# --- rows -> examples ----------------------------------------------------------------------------
+
+def prompt_for(paper: str) -> list[dict]:
+    return [{"role": "user", "content": INSTRUCTION + paper}]
+
+
+def to_examples(row, where: str, review_target: str = "merged"):
+    """One paper row -> a list of examples, or a drop reason (str). Malformed rows raise DataError.
+    The paper is "# title", then the abstract when the body does not open with one, then the body
+    (`paper_markdown_main`: abstract to references)."""
+    if review_target not in TARGETS:
+        raise ValueError(f"review_target must be one of {', '.join(TARGETS)}, got {review_target!r}")
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    paper_id = _str(row, "paper_id", where, True)
+    title, abstract, body = (_str(row, k, where, False) or "" for k in ("title", "abstract", "paper_markdown_main"))
+    reviews = [r for r in _reviews(row, where) if _rated(r)]
+    if not body.strip():
+        return "no_paper_text"
+    if not reviews:
+        return "no_rated_review"
+    if abstract.strip() and not re.match(r"#+\s*abstract", body.strip(), _I):
+        body = f"## Abstract\n\n{abstract.strip()}\n\n{body.strip()}"
+    paper = (f"# {title.strip()}\n\n" if title.strip() else "") + body.strip()
+    parts = [review_sections(r) for r in reviews]
+    common = {"group_id": paper_id, "paper": paper, "prompt": prompt_for(paper),
+              "references": [build_target(p) for p in parts], "human_ratings": [r["rating"] for r in reviews]}
+    if review_target == "merged":
+        merged = merge_sections(parts)
+        return [{"id": paper_id, **common, "chosen": build_target(merged), "rating": merged["rating"],
+                 "confidence": merged["confidence"]}]
+    return [{"id": f"{paper_id}:{r['index']}", **common, "chosen": ref, "rating": r["rating"],
+             "confidence": r["confidence"]} for r, ref in zip(reviews, common["references"])]
+
+
+# --- long papers ---------------------------------------------------------------------------------
+
+def windows(n_tokens: int, window_tokens: int, overlap: int) -> list[tuple[int, int]]:
+    """Half-open spans [start, end) of at most `window_tokens` tokens that cover 0..n_tokens-1. Each
+    starts `window_tokens - overlap` after the one before, so neighbours share exactly `overlap`
+    tokens; the last is moved back to end at n_tokens (full length, sharing more with the one before).
+    A text of at most `window_tokens` tokens is one span; an empty one none."""
+    if window_tokens < 1 or not 0 <= overlap < window_tokens:
+        raise ValueError(f"need window_tokens >= 1 and 0 <= overlap < window_tokens, got {window_tokens}, {overlap}")
+    spans, start = [], 0
+    while n_tokens > 0:
+        if start + window_tokens >= n_tokens:
+            spans.append((max(0, n_tokens - window_tokens), n_tokens))
+            break
+        spans.append((start, start + window_tokens))
+        start += window_tokens - overlap
+    return spans
+
+
+# --- rating metrics ------------------------------------------------------------------------------
+
+def rating_metrics(pred, gold) -> dict:
+    """MAE, RMSE and Pearson r of predicted vs gold ratings; r is None when undefined (n < 2 or a
+    constant side), everything but n is None when n == 0."""
+    p, g = np.asarray(pred, float), np.asarray(gold, float)
+    if p.shape != g.shape or p.ndim != 1:
+        raise ValueError(f"pred and gold must be equally long lists, got {p.shape} and {g.shape}")
+    if not len(p):
+        return {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "n": 0}
+    defined = len(p) >= 2 and np.ptp(p) > 0 and np.ptp(g) > 0
+    return {"rating_mae": float(np.abs(p - g).mean()), "rating_rmse": float(np.sqrt(((p - g) ** 2).mean())),
+            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None, "n": len(p)}
+
+
+def baseline_constant(train_mean: float, gold) -> dict:
+    """A predictor that always says the training split's mean rating."""
+    return rating_metrics([float(train_mean)] * len(gold), gold)
+
+
+def baseline_human(human_ratings_per_paper) -> dict:
+    """One more human reviewer: each reviewer's rating against the mean of the same paper's other
+    reviewers (leave-one-out), over all reviewers of papers with at least two; plus `n_papers`."""
+    pred, gold, papers = [], [], 0
+    for ratings in human_ratings_per_paper:
+        if len(ratings) < 2:
+            continue
+        papers += 1
+        for i, r in enumerate(ratings):
+            pred.append(float(r))
+            gold.append((sum(ratings) - r) / (len(ratings) - 1))
+    return {**rating_metrics(pred, gold), "n_papers": papers}
