@@ -16,9 +16,9 @@ from trl import SFTConfig, SFTTrainer
 from common import patches
 from common.cli import cli
 from common.config import SFTStageConfig
-from common.data import fit_prompt, fit_reply, load_split
+from common.data import fit_prompt, fit_reply, train_and_dev
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.runs import Run, RunError
+from common.runs import Run
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -54,10 +54,7 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     run.start_tracking()
 
     # 3. Data: the winners of the train split (dev for a held-out loss).
-    train_rows = load_split(config.pairs_run, "train")[: config.max_train_examples]
-    dev_rows = load_split(config.pairs_run, "dev")[: config.max_eval_examples]
-    if not train_rows:
-        raise RunError(f"{config.pairs_run} has no train pairs: nothing to fine-tune on")
+    train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
     log.info("SFT on %d winners, dev loss on %d", len(train_rows), len(dev_rows))
 
     # 4. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.

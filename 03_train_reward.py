@@ -24,11 +24,11 @@ from common import patches
 from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig
-from common.data import load_split, write_jsonl
+from common.data import load_split, train_and_dev, write_jsonl
 from common.metrics import preference_metrics
 from common.model import fingerprint
 from common.rewards import RewardScorer, judge_fingerprint, preference_dataset
-from common.runs import Run, RunError
+from common.runs import Run
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -44,10 +44,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     run.start_tracking()
 
     # 2. Data: winner-vs-loser pairs of the train split; dev for the judge's report.
-    train_rows = load_split(config.pairs_run, "train")[: config.max_train_examples]
-    dev_rows = load_split(config.pairs_run, "dev")[: config.max_eval_examples]
-    if not train_rows:
-        raise RunError(f"{config.pairs_run} has no train pairs: nothing to train the judge on")
+    train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
     log.info("reward model on %d pairs, judged on %d dev pairs", len(train_rows), len(dev_rows))
 
     # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or

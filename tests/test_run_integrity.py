@@ -1,0 +1,246 @@
+"""A run directory never lies: resume is bound to its run, inputs are checked for what they are, a
+run that a later stage cannot use is never DONE, and every bad setting is one line before anything
+heavy happens."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from common.cli import parse_config
+from common.config import (ConfigError, EvalConfig, GRPOStageConfig, PairsConfig, RewardStageConfig,
+                           SFTStageConfig, load_run_config)
+from common.runs import Run, RunError, create_run_dir
+from common.training import last_checkpoint
+from common.watch import WatchedReward
+from conftest import REPO, run_dir_of, run_stage
+
+SFT_YAML = "configs/tiny/02_train_sft.yaml"
+
+
+def _no_traceback_one_error(proc):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def _finished(path, stage, pairs_run=None, base=None, task="cmv", artifacts=None):
+    """A finished run directory as a stage leaves it (manifest, config, artifacts, DONE)."""
+    path.mkdir(parents=True)
+    for rel, text in (artifacts or {}).items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    from common.provenance import artifact_digests
+    manifest = {"run_name": path.name, "stage": stage, "base": base, "task": task,
+                "pairs_run": str(pairs_run.resolve()) if pairs_run else None, "artifacts": artifact_digests(path)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "DONE").write_text("")
+    return path
+
+
+BASE = {"model": "m", "lora_r": 64}
+
+
+# --- resume is bound to its run ---------------------------------------------------------------------
+
+@pytest.fixture()
+def unfinished_sft(tmp_path, tiny_model, pairs_run):
+    """An SFT run killed before its first checkpoint: a config.yaml and a manifest, nothing else."""
+    config, overrides = parse_config(SFTStageConfig, ["--config", SFT_YAML, "--pairs_run", str(pairs_run),
+                                                      "--runs_dir", str(tmp_path / "runs"), "--max_steps", "4",
+                                                      "--run_name", "killed"])
+    Run("SFT", config, overrides, inputs={"pairs_run": pairs_run}, argv=["test"])
+    return tmp_path / "runs" / "killed"
+
+
+def test_resume_alone_takes_the_runs_own_settings_and_refuses_a_different_one(unfinished_sft):
+    proc = run_stage("02_train_sft.py", "--resume", unfinished_sft, "--max_steps", "7", check=False)
+    line = _no_traceback_one_error(proc)
+    assert "field 'max_steps' is 7 (command line) but 4 in the run's config.yaml" in line
+    assert not (unfinished_sft / "DONE").exists()
+
+    done = run_stage("02_train_sft.py", "--resume", unfinished_sft)  # nothing else: the run knows its inputs
+    assert run_dir_of(done) == unfinished_sft
+    metrics = json.loads((unfinished_sft / "metrics.json").read_text())
+    assert metrics["global_step"] == 4  # the run's max_steps, not the recipe's epochs
+    assert yaml.safe_load((unfinished_sft / "config.yaml").read_text())["max_steps"] == 4
+
+
+def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    failed = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", empty,
+                       "--runs_dir", tmp_path / "runs", check=False)
+    _no_traceback_one_error(failed)
+    (pairs_dir,) = (tmp_path / "runs").iterdir()
+    before = sorted(p.name for p in pairs_dir.iterdir())
+    proc = run_stage("02_train_sft.py", "--config", SFT_YAML, "--pairs_run", pairs_run, "--resume", pairs_dir,
+                     check=False)
+    assert "that is a Pairs run; this script continues SFT runs only" in _no_traceback_one_error(proc)
+    assert sorted(p.name for p in pairs_dir.iterdir()) == before and not (pairs_dir / "DONE").exists()
+
+
+def test_a_failure_after_the_run_directory_exists_is_in_its_log(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", empty,
+                     "--runs_dir", tmp_path / "runs", check=False)
+    line = _no_traceback_one_error(proc)
+    assert line.startswith("error: no pairs in the train and test split(s)")
+    (run,) = (tmp_path / "runs").iterdir()
+    assert line in (run / "run.log").read_text() and not (run / "DONE").exists()
+
+
+# --- inputs are checked for what they are -------------------------------------------------------------
+
+def test_an_input_of_the_wrong_stage_is_refused_before_a_directory_is_made(tmp_path):
+    pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
+    pairs_manifest = json.loads((pairs / "manifest.json").read_text())
+    reward = _finished(tmp_path / "R", "Reward", pairs_run=pairs, base=BASE, artifacts={"adapter/a": "x"})
+    config, _ = parse_config(GRPOStageConfig, ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", str(reward),
+                                               "--reward_run", str(reward), "--runs_dir", str(tmp_path / "runs")])
+    with pytest.raises(RunError, match="--sft_run .*: that is a Reward run; --sft_run takes a SFT run"):
+        Run("GRPO", config, {}, inputs={"sft_run": reward, "reward_run": reward}, argv=["test"])
+    assert not (tmp_path / "runs").exists()
+    assert pairs_manifest["stage"] == "Pairs"
+
+
+def test_eval_refuses_a_reward_run_that_is_a_pairs_run_before_generating(tmp_path, pairs_run):
+    proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
+                     "--reward_run", pairs_run, "--runs_dir", tmp_path / "runs", check=False)
+    assert "that is a Pairs run; --reward_run takes a Reward run" in _no_traceback_one_error(proc)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_inputs_from_different_pairs_runs_are_refused_naming_them(tmp_path):
+    p1 = _finished(tmp_path / "P1", "Pairs", artifacts={"test.jsonl": "{}\n"})
+    p2 = _finished(tmp_path / "P2", "Pairs", artifacts={"test.jsonl": "{}\n"})
+    sft = _finished(tmp_path / "S", "SFT", pairs_run=p1, base=BASE, artifacts={"adapter/a": "x"})
+    reward = _finished(tmp_path / "R", "Reward", pairs_run=p2, base=BASE, artifacts={"adapter/a": "y"})
+    config, _ = parse_config(EvalConfig, ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", str(p2),
+                                          "--reward_run", str(reward), "--sft_run", str(sft),
+                                          "--runs_dir", str(tmp_path / "runs")])
+    with pytest.raises(RunError, match=r"different pairs runs .*--sft_run .*S descends from .*P1"):
+        Run("Eval", config, {}, inputs={"pairs_run": p2, "reward_run": reward, "sft_run": sft}, argv=["test"])
+    # The same chain on one pairs run is accepted, and the run records its lineage.
+    reward1 = _finished(tmp_path / "R1", "Reward", pairs_run=p1, base=BASE, artifacts={"adapter/a": "z"})
+    run = Run("Eval", config, {}, inputs={"pairs_run": p1, "reward_run": reward1, "sft_run": sft}, argv=["test"])
+    assert run.manifest["pairs_run"] == str(p1.resolve()) and run.manifest["task"] == "cmv"
+
+
+def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
+    pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
+    sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=None, artifacts={"adapter/a": "x"})
+    config, _ = parse_config(GRPOStageConfig, ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", str(sft),
+                                               "--reward_run", "unused", "--runs_dir", str(tmp_path / "runs")])
+    run = Run("GRPO", config, {}, inputs={"sft_run": sft}, argv=["test"])
+    with pytest.raises(RunError, match="records no base model"):
+        run.lock_base(BASE)
+
+
+@pytest.mark.parametrize("change", ["delete", "edit"])
+def test_an_input_whose_artifact_changed_after_it_finished_is_refused(tmp_path, change):
+    pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
+    sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=BASE,
+                    artifacts={"adapter/adapter_model.safetensors": "weights", "adapter/adapter_config.json": "{}"})
+    target = sft / "adapter" / "adapter_model.safetensors"
+    target.unlink() if change == "delete" else target.write_text("other weights")
+    config, _ = parse_config(GRPOStageConfig, ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", str(sft),
+                                               "--reward_run", "unused", "--runs_dir", str(tmp_path / "runs")])
+    message = "is missing adapter/adapter_model.safetensors" if change == "delete" else "changed after the run finished"
+    with pytest.raises(RunError, match=message):
+        Run("GRPO", config, {}, inputs={"sft_run": sft}, argv=["test"])
+
+
+def test_a_finished_stage_records_its_artifacts_and_a_later_stage_reads_its_config_typed(tmp_path, pairs_run):
+    manifest = json.loads((pairs_run / "manifest.json").read_text())
+    assert {"train.jsonl", "dev.jsonl", "test.jsonl", "metrics.json", "config.yaml"} <= set(manifest["artifacts"])
+    assert manifest["pairs_run"] == str(pairs_run.resolve()) and manifest["task"] == "cmv"
+    config = load_run_config(pairs_run)
+    assert isinstance(config, PairsConfig) and config.length_balance == "match_ratio"
+
+
+# --- bad settings: one line, before any model or run directory -----------------------------------------
+
+@pytest.mark.parametrize("cls, argv, message", [
+    (PairsConfig, ["--length_balance", "sometimes"], "field 'length_balance' expects one of 'match_ratio', 'none'"),
+    (PairsConfig, ["--task", "chess"], "field 'task' expects one of"),
+    (PairsConfig, ["--dev_fraction", "1.5"], "field 'dev_fraction' must be below 1"),
+    (PairsConfig, ["--dev_fraction", "-0.5"], "field 'dev_fraction' must be at least 0"),
+    (PairsConfig, ["--dev_fraction", "0.5", "--test_fraction", "0.5"], "dev_fraction + test_fraction must be below 1"),
+    (PairsConfig, ["--max_length_ratio", "0.5"], "field 'max_length_ratio' must be at least 1"),
+    (PairsConfig, ["--run_name", "../x"], "field 'run_name' must be one path component"),
+    (PairsConfig, ["--run_name", "/tmp/x"], "field 'run_name' must be one path component"),
+    (PairsConfig, ["--run_name", "sub/dir"], "field 'run_name' must be one path component"),
+    (PairsConfig, ["--report_to", "wandB"], "field 'report_to' expects one of 'wandb', 'none'"),
+    (RewardStageConfig, ["--pairs_run", "p", "--judge_backbone", "bert"], "field 'judge_backbone' expects one of"),
+    (RewardStageConfig, ["--pairs_run", "p", "--judge_model_name_or_path", "pkg:os/x"], "not a known model package"),
+    (GRPOStageConfig, ["--sft_run", "s", "--reward_run", "r", "--rollout_backend", "vllm"], "'rollout_backend' expects"),
+    (GRPOStageConfig, ["--sft_run", "s", "--reward_run", "r", "--guard_max_length_ratio", "0.5"], "must be above 1"),
+    (SFTStageConfig, ["--pairs_run", "p", "--per_device_train_batch_size", "0"], "must be at least 1"),
+    (SFTStageConfig, ["--pairs_run", "p", "--max_steps", "-5"], "field 'max_steps' must be at least -1"),
+    (SFTStageConfig, ["--pairs_run", "p", "--max_steps", "0"], "field 'max_steps' must be -1"),
+    (SFTStageConfig, [], "--pairs_run is required"),
+])
+def test_a_bad_setting_is_a_config_error_naming_the_field(cls, argv, message):
+    recipe = {PairsConfig: "01_build_pairs", SFTStageConfig: "02_train_sft", RewardStageConfig: "03_train_reward",
+              GRPOStageConfig: "04_train_grpo"}[cls]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *argv])
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("01_build_pairs.py", ["--config", "configs/tiny/01_build_pairs.yaml", "--length_balance", "x"], "length_balance"),
+    ("02_train_sft.py", ["--pairs_run", "runs/x"], "--config is required"),
+    ("01_build_pairs.py", ["--config", "configs/tiny/01_build_pairs.yaml", "--data", "data/cmv"], "is a directory"),
+])
+def test_bad_command_lines_end_in_one_error_line_and_make_nothing(tmp_path, script, argv, message):
+    proc = run_stage(script, *argv, "--runs_dir", tmp_path / "runs", check=False)
+    line = _no_traceback_one_error(proc)
+    assert line.startswith("error: ") and message in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_runs_dir_that_is_a_file_is_a_run_error(tmp_path):
+    (tmp_path / "runs").write_text("")
+    with pytest.raises(RunError, match="cannot create a run directory in --runs_dir"):
+        create_run_dir(tmp_path / "runs", "SFT")
+
+
+def test_every_stage_has_help_listing_its_fields():
+    for script, field in (("01_build_pairs.py", "--length_balance"), ("02_train_sft.py", "--max_length"),
+                          ("03_train_reward.py", "--judge_backbone"), ("04_train_grpo.py", "--guard_max_length_ratio"),
+                          ("05_eval.py", "--max_premises")):
+        proc = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"  {field} (" in proc.stdout and "--seed (int; default 42)" in proc.stdout
+
+
+# --- checkpoints and the GRPO guard across restarts -----------------------------------------------------
+
+def test_a_torn_trainer_state_falls_back_to_the_previous_checkpoint(tmp_path):
+    for step, state in ((4, '{"global_step": 4}'), (8, '{"global_step": 8, "log_hi')):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(state)
+    (tmp_path / "checkpoint-12").mkdir()  # no trainer_state.json at all
+    assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+
+
+class _Scorer:
+    def score(self, prompts, replies):
+        return [0.0] * len(replies)
+
+
+def test_the_length_guard_keeps_its_reference_across_a_restart(tmp_path):
+    state = tmp_path / "guard.json"
+    first = WatchedReward(_Scorer(), max_length_ratio=2.0, patience=2, state_path=state)
+    first(["p"] * 2, ["one two three four five six seven eight nine ten"] * 2)  # the run's first batch: 10 words
+    assert json.loads(state.read_text())["reference_words"] == 10
+    restarted = WatchedReward(_Scorer(), max_length_ratio=2.0, patience=2, state_path=state)
+    long_reply = " ".join(["word"] * 50)
+    for _ in range(2):
+        restarted(["p"] * 2, [long_reply] * 2)
+    assert restarted.tripped and "averaged 10.0 words" in restarted.tripped
