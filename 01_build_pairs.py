@@ -6,10 +6,19 @@ Writes train.jsonl, dev.jsonl, test.jsonl and metrics.json (n_input_rows, n_pair
 dropped by reason, length_only_accuracy per split). Every input row is accounted for:
 sum(n_pairs) + sum(dropped) == n_input_rows.
 
-Bad-row policy: a row that is not valid JSON or whose fields have the wrong type stops the stage
-with an error naming the file, line and field (fix the file), unless --skip_bad_rows true, which
-skips it and counts it under dropped["bad_row"]. Rows that are well-formed but unusable (no
-premise, deleted reply, ...) are always dropped and counted by reason.
+Bad-input policy:
+- A row that is not valid UTF-8, not valid JSON, not a JSON object, or whose fields are missing or of
+  the wrong type stops the stage with `error: FILE:LINE: ...` naming the file, line and field (fix
+  the file), unless --skip_bad_rows true, which skips it and counts it under dropped["bad_row"].
+- Rows that are well-formed but unusable (no premise, blank, deleted or identical replies, a duplicate
+  pair) are always dropped and counted by reason. A duplicate is a pair with the same post and the
+  same replies as an earlier one, whatever its pair_id (or a repeated pair_id); a row without pair_id
+  gets the digest of its content as id, never its line number.
+- A file damaged as a whole (a .jsonl.gz cut short or corrupt, a file that cannot be read) always
+  stops the stage with `error: FILE:LINE: ...`, even with --skip_bad_rows: the rows after the damage
+  cannot be counted. Files are read as gzip when their first bytes say so, whatever their name.
+- Blank lines are skipped and not counted. An input file with no rows (empty, or only blank lines)
+  stops the stage, naming the file; so does a run left with no train or test pairs (no DONE).
 """
 from __future__ import annotations
 
@@ -38,11 +47,12 @@ def main(config: PairsConfig, overrides: dict) -> None:
     run.start_tracking()
 
     # 2. Rows -> pairs, every row either kept or counted under a drop reason.
-    n_rows, dropped, scrubbed, pairs, seen = 0, Counter(), Counter(), [], set()
+    n_rows, dropped, scrubbed, pairs, seen_ids, seen_content = 0, Counter(), Counter(), [], set(), set()
     for path in config.data:
-        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):
+        rows_before = n_rows
+        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
             n_rows += 1
-            if row is None:  # not valid JSON, skipped by --skip_bad_rows
+            if row is None and config.skip_bad_rows:  # not UTF-8 or not JSON (or a bare null), skipped
                 dropped["bad_row"] += 1
                 continue
             try:
@@ -54,12 +64,18 @@ def main(config: PairsConfig, overrides: dict) -> None:
                 continue
             if isinstance(pair, str):
                 dropped[pair] += 1
-            elif pair["id"] in seen:
+                continue
+            content = (pair["group_id"], pair["chosen"], pair["rejected"])
+            if pair["id"] in seen_ids or content in seen_content:  # same pair_id, or same post and replies
                 dropped["duplicate_pair"] += 1
             else:
-                seen.add(pair["id"])
+                seen_ids.add(pair["id"])
+                seen_content.add(content)
                 scrubbed.update(pair["scrubbed"])  # texts whose give-aways were removed, by rule
                 pairs.append(pair)
+        if n_rows == rows_before:
+            run.fail({"task": task.NAME, "n_input_rows": n_rows, "dropped": dict(sorted(dropped.items()))},
+                     f"{path}: no rows (the file is empty or holds only blank lines): nothing to build pairs from")
     log.info("%d rows -> %d usable pairs", n_rows, len(pairs))
 
     # 3. Split by premise (group), then balance each split so reply length cannot pick the winner

@@ -45,24 +45,22 @@ def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev
 
 
 def main(config: SFTStageConfig, overrides: dict) -> None:
-    # 1. Seed and run directory; the pairs run must be finished.
+    # 1. Seed and run directory; the pairs run must be finished. The manifest records which base
+    #    this adapter belongs to (the base lock of every later stage).
     set_seed(config.seed)
-    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run})
-
-    # 2. The base lock: record which base this adapter belongs to.
-    run.lock_base(fingerprint(config))
+    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run}, base=fingerprint(config))
     run.start_tracking()
 
-    # 3. Data: the winners of the train split (dev for a held-out loss).
+    # 2. Data: the winners of the train split (dev for a held-out loss).
     train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
     log.info("SFT on %d winners, dev loss on %d", len(train_rows), len(dev_rows))
 
-    # 4. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.
+    # 3. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.
     tokenizer = load_tokenizer(config)
     model = load_model(config, CAUSAL_LM, tokenizer=tokenizer)
     trainer = build_trainer(config, run, model, tokenizer, train_rows, dev_rows)
 
-    # 5. Train (from the last checkpoint of this run if it was interrupted), evaluate, save.
+    # 4. Train (from the last checkpoint of this run if it was interrupted), evaluate, save.
     metrics = train(trainer, run)
     if dev_rows:
         metrics["dev"] = trainer.evaluate()

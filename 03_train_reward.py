@@ -37,8 +37,8 @@ log = logging.getLogger("pipeline")
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
-    run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run})
-    run.lock_base(fingerprint(config))  # the pipeline's base, which 04 and 05 compare
+    run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run},
+              base=fingerprint(config))  # the pipeline's base, which 04 and 05 compare
     run.manifest["judge"] = judge_fingerprint(config)  # the judge's own backbone (RewardScorer.from_run)
     run.save_manifest()
     run.start_tracking()

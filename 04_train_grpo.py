@@ -57,8 +57,8 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
 def main(config: GRPOStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; both inputs finished, built on this base and on one pairs run.
     set_seed(config.seed)
-    run = Run("GRPO", config, overrides, inputs={"sft_run": config.sft_run, "reward_run": config.reward_run})
-    run.lock_base(fingerprint(config))
+    run = Run("GRPO", config, overrides, inputs={"sft_run": config.sft_run, "reward_run": config.reward_run},
+              base=fingerprint(config))
     run.start_tracking()
 
     # 2. Prompts: the premises the SFT model was trained on (its pairs run).

@@ -36,8 +36,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     set_seed(config.seed)
     optional = {key: getattr(config, key) for key in ("sft_run", "policy_run") if getattr(config, key)}
     run = Run("Eval", config, overrides, inputs={"pairs_run": config.pairs_run, "reward_run": config.reward_run,
-                                                 **optional})
-    run.lock_base(fingerprint(config))
+                                                 **optional}, base=fingerprint(config))
     # model name in the report -> adapter folder
     adapters = {name: Path(getattr(config, key)) / "adapter"
                 for key, name in (("sft_run", "sft"), ("policy_run", "grpo")) if key in optional}

@@ -108,6 +108,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
+    from common import patches
     from common.model import CAUSAL_LM, SEQ_CLS, load_model, load_tokenizer
     from common.training import train, trainer_args
 
@@ -116,7 +117,8 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps  # rows per rank
     n_rows = per_step * world * args.steps
     tokenizer = load_tokenizer(config)
-    run = SimpleNamespace(dir=Path(args.work) / kind)  # checkpoints/ would go there; none are saved
+    # checkpoints/ would go there (none are saved); train() records its segments in the manifest
+    run = SimpleNamespace(dir=Path(args.work) / kind, manifest={}, save_manifest=lambda: None)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if kind == "sft":
@@ -139,6 +141,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     loaded_gib = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else None
     clock = StepClock()
     trainer.add_callback(clock)
+    patches.apply(trainer, config)  # what the stages' build_trainer applies
     start = time.perf_counter()
     metrics = train(trainer, run)
     warm = min(args.warmup, len(clock.times) - 1)

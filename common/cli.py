@@ -196,14 +196,14 @@ def cli(main, config_cls, doc: str = "") -> None:
     except (ConfigError, RunError, DataError) as err:
         _to_run_log(f"error: {err}")
         sys.exit(f"error: {err}")
-    except Exception:
-        log.exception("the stage failed")  # a bug: the traceback goes to run.log and the terminal
+    except Exception:  # a bug: its traceback goes to run.log too, then to the terminal as usual
+        _to_run_log("the stage failed", sys.exc_info())
         raise
 
 
-def _to_run_log(message: str) -> None:
+def _to_run_log(message: str, exc_info=None) -> None:
     """The run's log file (when a run directory exists) says why the run failed."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)

@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import zlib
 from bisect import bisect_left
 from pathlib import Path
 
@@ -28,25 +29,85 @@ def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _open_by_content(path: Path):
+    """A binary stream of the file's lines: gzip when it starts with the gzip magic bytes, whatever
+    its name says (a gzip named .jsonl is read; a plain file named .gz is read as it is)."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    return gzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
+
+
+def _stream_error(path: Path, lineno: int, err: BaseException) -> DataError:
+    """The file is damaged as a whole, not one row of it: the rows after the damage cannot be counted."""
+    damaged = isinstance(err, (EOFError, zlib.error, gzip.BadGzipFile))
+    what = "the gzip stream is cut short or corrupt" if damaged else "the file cannot be read"
+    detail = (str(err).splitlines() or [type(err).__name__])[0]
+    where = f"{path}:{lineno}" if lineno else str(path)
+    return DataError(f"{where}: {what} ({detail}); the rows from there on cannot be counted, so this "
+                     f"stops the stage even with --skip_bad_rows: repair or re-create the file")
+
+
 def read_jsonl(path: str | Path, skip_invalid: bool = False):
-    """Yield (where, row) for each non-empty line; `where` is "file:line" for error messages.
-    A line that is not valid JSON raises DataError, or yields (where, None) with skip_invalid."""
+    """Yield (where, row) for each non-blank line; `where` is "file:line" for error messages.
+
+    The file is read in binary, as gzip when its first bytes say so (not its name), and each line is
+    decoded here. A line that is not valid UTF-8 or not valid JSON raises DataError naming the file and
+    line, or yields (where, None) with skip_invalid. A damaged stream (a gzip cut short, a bad CRC, a
+    file that cannot be read) always raises DataError, skip_invalid or not."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    lineno = 0
+    try:
+        stream = _open_by_content(path)
+    except OSError as err:
+        raise _stream_error(path, 0, err) from None
+    with stream:
+        lines = iter(stream)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except (EOFError, zlib.error, OSError) as err:  # gzip.BadGzipFile is an OSError
+                raise _stream_error(path, lineno + 1, err) from None
+            lineno += 1
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as err:
+                row = _parse_line(raw, first=lineno == 1)
+            except DataError as err:
                 if skip_invalid:
                     yield where, None
                     continue
-                raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+                raise DataError(f"{where}: {err}") from None
+            if row is not _BLANK:
+                yield where, row
+
+
+_BLANK = object()  # a line of nothing but (Unicode) white space: skipped, not a row
+
+
+def _parse_line(raw: bytes, first: bool):
+    """One line's bytes -> its JSON value (or _BLANK); DataError, without the place, when the line is not
+    UTF-8 or not JSON."""
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")  # a byte-order mark may open the file
+    except UnicodeDecodeError as err:
+        raise DataError(f"not valid UTF-8 ({err.reason}: byte {raw[err.start]:#04x} at byte {err.start + 1} "
+                        f"of the line)") from None
+    if not text.strip():
+        return _BLANK
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    except (ValueError, RecursionError) as err:  # e.g. an integer of more digits than Python converts
+        raise DataError(f"not valid JSON ({(str(err).splitlines() or [type(err).__name__])[0]})") from None
 
 
 def write_jsonl(path: Path, rows) -> None:

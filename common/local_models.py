@@ -1,4 +1,4 @@
-"""Local models for running without a model hub (DESIGN.md: recipes without a model hub).
+"""Local models for running without a model hub: tests, CI and the demo use them (docs/performance.md).
 
     python -m common.local_models tiny --out .cache/models/tiny-llama3      # tests
     python -m common.local_models smol --out .cache/models/smollm2-135m     # make demo

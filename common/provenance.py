@@ -11,8 +11,9 @@ from pathlib import Path
 
 PACKAGES = ["torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", "accelerate",
             "sacrebleu", "rouge-score", "wandb"]
-# Files of a run directory that are not its artifacts: its bookkeeping, logs and trackers.
-NOT_ARTIFACTS = {"manifest.json", "DONE", "run.log"}
+# Files of a run directory that are not its artifacts: its bookkeeping, logs (run.log, and the
+# slurm-<job>.log the Slurm wrapper copies in when the job ends) and trackers.
+NOT_ARTIFACTS = {"manifest.json", "DONE"}
 NOT_ARTIFACT_DIRS = {"wandb", "checkpoints"}
 
 
@@ -30,7 +31,7 @@ def artifact_digests(run_dir: Path) -> dict[str, str]:
     for path in sorted(Path(run_dir).rglob("*")):
         rel = path.relative_to(run_dir)
         if path.is_file() and rel.parts[0] not in NOT_ARTIFACT_DIRS and str(rel) not in NOT_ARTIFACTS \
-                and not path.name.endswith(".tmp"):
+                and path.suffix not in (".log", ".tmp"):
             out[str(rel)] = sha256_file(path)
     return out
 

@@ -75,12 +75,16 @@ class Run:
     """The run directory of one stage invocation, from its config to its DONE marker."""
 
     def __init__(self, stage: str, config, overrides: dict, inputs: dict | None = None,
-                 argv: list[str] | None = None):
-        """`inputs` maps a field name to an input run directory or a data file (`data[i]`); all are
-        checked before anything is created. Their manifests are in `self.inputs` (None for files)."""
+                 argv: list[str] | None = None, base: dict | None = None):
+        """`inputs` maps a field name to an input run directory or a data file (`data[i]`); `base` is
+        the fingerprint of the base model this stage loads (None: it loads none). Inputs, their
+        lineage and the base lock are checked before anything is created. The inputs' manifests are
+        in `self.inputs` (None for files)."""
         self.stage, self.config = stage, config
         self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
         self.pairs_run, self.task = _common_lineage(self.inputs, inputs or {})
+        if base is not None:
+            _lock_base(self.inputs, base)
         self.is_main = is_main_process()
         if not self.is_main:
             self._follow(config)
@@ -101,7 +105,7 @@ class Run:
                 "created": provenance.now(), "git": provenance.git_state(), "seed": config.seed,
                 "packages": provenance.versions(), "host": socket.gethostname(), "gpu": provenance.gpu(),
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "wandb_run_id": None,
-                "wandb_group": config.wandb_group, "inputs": {}, "base": None,
+                "wandb_group": config.wandb_group, "inputs": {}, "base": base,
             }
         if stage == "Pairs":
             self.pairs_run = str(self.dir.resolve())
@@ -157,24 +161,6 @@ class Run:
 
     def start_tracking(self) -> None:
         tracking.start(self)
-
-    def lock_base(self, fingerprint: dict) -> None:
-        """The base lock: every input model run must have been built on exactly this base."""
-        for name, manifest in self.inputs.items():
-            if manifest is None or manifest.get("stage") == "Pairs":
-                continue  # data files and pairs runs use no model
-            theirs = manifest.get("base")
-            if theirs is None:
-                raise RunError(f"input '{name}' ({manifest.get('run_name')}) records no base model in its "
-                               f"manifest: it cannot be checked against this run's base, so it is refused")
-            for key in sorted(set(fingerprint) | set(theirs)):
-                if fingerprint.get(key) != theirs.get(key):
-                    raise RunError(
-                        f"base mismatch with input '{name}' ({manifest.get('run_name')}): field '{key}' is "
-                        f"{fingerprint.get(key)!r} here but {theirs.get(key)!r} there. "
-                        f"Every stage must start from the same base model and LoRA settings.")
-        self.manifest["base"] = fingerprint
-        self.save_manifest()
 
     def fail(self, metrics: dict, reason: str) -> None:
         """End the run unfinished on purpose: its metrics are kept, no DONE, one error line."""
@@ -244,6 +230,23 @@ def _unchanged_artifacts(run_dir: Path, manifest: dict) -> dict:
             raise RunError(f"input run {run_dir}: {rel} changed after the run finished (sha256 differs): "
                            f"a finished run is never modified; re-run that stage")
     return now
+
+
+def _lock_base(inputs: dict, fingerprint: dict) -> None:
+    """The base lock: every input model run must have been built on exactly this base."""
+    for name, manifest in inputs.items():
+        if manifest is None or manifest.get("stage") == "Pairs":
+            continue  # data files and pairs runs use no model
+        theirs = manifest.get("base")
+        if theirs is None:
+            raise RunError(f"input '{name}' ({manifest.get('run_name')}) records no base model in its "
+                           f"manifest: it cannot be checked against this run's base, so it is refused")
+        for key in sorted(set(fingerprint) | set(theirs)):
+            if fingerprint.get(key) != theirs.get(key):
+                raise RunError(
+                    f"base mismatch with input '{name}' ({manifest.get('run_name')}): field '{key}' is "
+                    f"{fingerprint.get(key)!r} here but {theirs.get(key)!r} there. "
+                    f"Every stage must start from the same base model and LoRA settings.")
 
 
 def lineage(manifest: dict, path: Path) -> str | None:

@@ -70,9 +70,10 @@ def test_resume_alone_takes_the_runs_own_settings_and_refuses_a_different_one(un
 
 
 def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n")
-    failed = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", empty,
+    deleted = tmp_path / "deleted.jsonl"  # a Pairs run that failed: 0 usable pairs
+    deleted.write_text(json.dumps({"op_id": "t3_x", "op_title": "CMV: a view", "positive_reply": "[deleted]",
+                                   "negative_reply": "A reply."}) + "\n")
+    failed = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", deleted,
                        "--runs_dir", tmp_path / "runs", check=False)
     _no_traceback_one_error(failed)
     (pairs_dir,) = (tmp_path / "runs").iterdir()
@@ -84,12 +85,14 @@ def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
 
 
 def test_a_failure_after_the_run_directory_exists_is_in_its_log(tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    proc = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", empty,
+    deleted = tmp_path / "deleted.jsonl"  # well-formed rows, every one unusable: a run with 0 pairs
+    row = {"op_id": "t3_x", "op_title": "CMV: a view", "op_text": "Some text.", "positive_reply": "[deleted]",
+           "negative_reply": "A reply."}
+    deleted.write_text("".join(json.dumps({**row, "op_id": f"t3_{i}"}) + "\n" for i in range(5)))
+    proc = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", deleted,
                      "--runs_dir", tmp_path / "runs", check=False)
     line = _no_traceback_one_error(proc)
-    assert line.startswith("error: no pairs in the train and test split(s)")
+    assert line.startswith("error: no pairs in the train and test split(s) of 5 input rows")
     (run,) = (tmp_path / "runs").iterdir()
     assert line in (run / "run.log").read_text() and not (run / "DONE").exists()
 
@@ -136,9 +139,9 @@ def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=None, artifacts={"adapter/a": "x"})
     config, _ = parse_config(GRPOStageConfig, ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", str(sft),
                                                "--reward_run", "unused", "--runs_dir", str(tmp_path / "runs")])
-    run = Run("GRPO", config, {}, inputs={"sft_run": sft}, argv=["test"])
     with pytest.raises(RunError, match="records no base model"):
-        run.lock_base(BASE)
+        Run("GRPO", config, {}, inputs={"sft_run": sft}, argv=["test"], base=BASE)
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("change", ["delete", "edit"])

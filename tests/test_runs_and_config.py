@@ -78,16 +78,18 @@ def _finished_run(path, base, stage="SFT"):
     return path
 
 
-def test_base_lock_names_the_differing_field(tmp_path):
+def test_base_lock_names_the_differing_field_before_a_directory_is_made(tmp_path):
     config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
     mine = {"model": "m", "lora_r": 64, "config_sha256": "a"}
     same = _finished_run(tmp_path / "same", mine)
     pairs = _finished_run(tmp_path / "pairs", None, "Pairs")  # pairs runs carry no base
-    Run("SFT", config, {}, inputs={"pairs_run": pairs, "sft_run": same}, argv=["test"]).lock_base(mine)
+    run = Run("SFT", config, {}, inputs={"pairs_run": pairs, "sft_run": same}, argv=["test"], base=mine)
+    assert run.manifest["base"] == mine
     other = _finished_run(tmp_path / "other", {**mine, "config_sha256": "b"})
-    run = Run("SFT", config, {}, inputs={"sft_run": other}, argv=["test"])
+    before = sorted((tmp_path / "runs").iterdir())
     with pytest.raises(RunError, match="field 'config_sha256'"):
-        run.lock_base(mine)
+        Run("SFT", config, {}, inputs={"sft_run": other}, argv=["test"], base=mine)
+    assert sorted((tmp_path / "runs").iterdir()) == before
 
 
 def test_inputs_are_checked_before_a_directory_is_made(tmp_path):

@@ -11,6 +11,7 @@ a reply with nothing left is dropped as `empty_after_scrub`.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 from common.data import SENTENCE_END, DataError
@@ -97,7 +98,18 @@ def _field(row: dict, name: str, where: str, required: bool):
     if not isinstance(value, str):
         got = "missing" if name not in row else f"{type(value).__name__} {value!r:.40}"
         raise DataError(f"{where}: field '{name}' must be a string, got {got}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800: valid JSON, not text
+        raise DataError(f"{where}: field '{name}' is not valid Unicode (unpaired surrogate "
+                        f"{value[err.start]!r} at character {err.start + 1})") from None
     return value
+
+
+def content_id(group_id: str, winner: str, loser: str) -> str:
+    """A stable id for a row without `pair_id`: the digest of what the pair says (post and both replies,
+    as written), so the same row read again, from any line or file, gets the same id."""
+    return hashlib.sha1("\x00".join((group_id, winner, loser)).encode("utf-8")).hexdigest()[:16]
 
 
 def premise_text(title: str | None, body: str | None, premise_words: int, scrubbed: list | None = None) -> str:
@@ -129,11 +141,15 @@ def _cut_words(text: str, n: int) -> str:
 
 
 def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = True):
-    """One input row -> a pair dict, or a drop reason (str). Malformed rows raise DataError."""
+    """One input row -> a pair dict, or a drop reason (str). Malformed rows raise DataError. The pair's
+    id is its `pair_id`, or without one the digest of its content (`content_id`), never its place in
+    the file: a repeated row gets the same id."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     fields = {name: _field(row, name, where, True) for name in REQUIRED_STR}
     fields.update({name: _field(row, name, where, False) for name in OPTIONAL_STR})
+    if not fields["op_id"].strip():  # the post's id groups pairs into splits: without it, no grouping
+        raise DataError(f"{where}: field 'op_id' must be a non-empty string, got {fields['op_id']!r}")
     winner, loser = fields["positive_reply"].strip(), fields["negative_reply"].strip()
     title, body = fields["op_title"], fields["op_text"]
     scrubbed = [] if scrub_giveaways else None
@@ -150,7 +166,7 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
     if winner == loser:
         return "identical_replies"
     return {
-        "id": fields["pair_id"] or f"{fields['op_id']}:{where}",
+        "id": (fields["pair_id"] or "").strip() or content_id(fields["op_id"], winner, loser),
         "group_id": fields["op_id"],
         "premise": premise,
         "prompt": [{"role": "user", "content": INSTRUCTION + premise}],

@@ -1,4 +1,4 @@
-"""Paper reviewing (issue 8): a paper's text -> a structured peer review that ends in a rating.
+"""Paper reviewing: a paper's text -> a structured peer review that ends in a rating.
 
 Reads rows in the bundled format (data/review/README.md: one paper with its official reviews per
 line) and turns each into examples, or into a drop reason. The target is rebuilt deterministically
