@@ -1,4 +1,4 @@
-"""The judge (issue 3): the audit catches judges that take shortcuts and clears one that does not;
+"""The judge (docs/results.md): the audit catches judges that take shortcuts and clears one that does not;
 the encoder judge trains, is audited, reloads exactly and serves stages 04 and 05 of a policy on
 another base; the reward-hacking watch logs every step and its guard stops a drifting run."""
 from __future__ import annotations

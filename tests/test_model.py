@@ -64,8 +64,8 @@ def _lora_grads(config, eval_forward_first: bool, batch):
 
 
 def test_gradients_survive_a_no_grad_eval_forward(sft_config):
-    """STACK.md's CPU trap: without the loader's workaround, LoRA gradients after an eval-mode
-    no-grad forward silently lose the path through the frozen 4-bit weights."""
+    """The CPU bitsandbytes trap (docs/performance.md): without the loader's workaround, LoRA gradients
+    after an eval-mode no-grad forward silently lose the path through the frozen 4-bit weights."""
     tokenizer = load_tokenizer(sft_config)
     batch = tokenizer(["A reply that could change a view.", "Another, longer reply to a post here."],
                       return_tensors="pt", padding=True)

@@ -1,4 +1,4 @@
-"""Stage 01 against the cheap shortcuts (issue 3): length cannot give the winner away on any file in
+"""Stage 01 against the cheap shortcuts (docs/data.md): length cannot give the winner away on any file in
 the bundled format, give-aways (edit notes, delta mentions, bot boilerplate) are scrubbed and
 counted, and every input row is still accounted for."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The review task (issue 8) without a model: the target format round-trips on the real rows, windows
+"""The review task without a model: the target format round-trips on the real rows, windows
 cover every token, rating metrics and baselines match numbers worked out by hand, a PDF the test
 writes is read back, malformed rows name FILE:LINE and the field, and every paper and review of the
 bundled file is accounted for."""
