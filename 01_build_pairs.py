@@ -1,15 +1,19 @@
-"""Stage 01: source rows -> (premise, winner, loser) pairs, split by premise, balanced for length.
+"""Stage 01: source rows -> examples split by premise: CMV (premise, winner, loser) pairs balanced
+for length, or review (paper, structured review) targets.
 
     python 01_build_pairs.py --config configs/smol/01_build_pairs.yaml --task cmv --data data/cmv/cmv_pairs.jsonl.gz
+    python 01_build_pairs.py --config configs/smol/review/01_build_pairs.yaml   # --task review, --review_target
 
 Writes train.jsonl, dev.jsonl, test.jsonl and metrics.json (n_input_rows, n_pairs per split,
 dropped by reason, length_only_accuracy per split). Every input row is accounted for:
-sum(n_pairs) + sum(dropped) == n_input_rows.
+n_rows_used + sum(dropped) == n_input_rows (for CMV a row is one pair, so also
+sum(n_pairs) + sum(dropped) == n_input_rows); a review row's reviews are counted in `input_units`.
 
 Bad-input policy:
 - A row that is not valid UTF-8, not valid JSON, not a JSON object, or whose fields are missing or of
-  the wrong type stops the stage with `error: FILE:LINE: ...` naming the file, line and field (fix
-  the file), unless --skip_bad_rows true, which skips it and counts it under dropped["bad_row"].
+  the wrong type (or whose op_id is blank) stops the stage with `error: FILE:LINE: ...` naming the
+  file, line and field (fix the file), unless --skip_bad_rows true, which skips it and counts it
+  under dropped["bad_row"].
 - Rows that are well-formed but unusable (no premise, blank, deleted or identical replies, a duplicate
   pair) are always dropped and counted by reason. A duplicate is a pair with the same post and the
   same replies as an earlier one, whatever its pair_id (or a repeated pair_id); a row without pair_id
@@ -28,8 +32,15 @@ from collections import Counter
 
 from common.cli import cli
 from common.config import PairsConfig
-from common.data import (DataError, balance_split, length_kinds, length_only_accuracy, read_jsonl, split_by_group,
-                         write_jsonl)
+from common.data import (
+    DataError,
+    balance_split,
+    length_kinds,
+    length_only_accuracy,
+    read_jsonl,
+    split_by_group,
+    write_jsonl,
+)
 from common.runs import Run
 from common.tasks import get_task
 
@@ -46,8 +57,10 @@ def main(config: PairsConfig, overrides: dict) -> None:
     run.save_manifest()
     run.start_tracking()
 
-    # 2. Rows -> pairs, every row either kept or counted under a drop reason.
-    n_rows, dropped, scrubbed, pairs, seen_ids, seen_content = 0, Counter(), Counter(), [], set(), set()
+    # 2. Source rows -> examples (CMV: one pair; review: one paper's target, or one per review), every
+    #    row either used or counted under a drop reason, and every unit inside a row counted too.
+    n_rows, n_used, dropped, scrubbed, units = 0, 0, Counter(), Counter(), Counter()
+    examples, seen_ids, seen_content = [], set(), set()
     for path in config.data:
         rows_before = n_rows
         for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
@@ -56,65 +69,78 @@ def main(config: PairsConfig, overrides: dict) -> None:
                 dropped["bad_row"] += 1
                 continue
             try:
-                pair = task.to_pair(row, where, config.premise_words, config.scrub_giveaways)
+                made = task.rows_from(row, where, config)
             except DataError:
                 if not config.skip_bad_rows:
                     raise
                 dropped["bad_row"] += 1
                 continue
-            if isinstance(pair, str):
-                dropped[pair] += 1
+            reason = made if isinstance(made, str) else None
+            if reason is None and any(e["id"] in seen_ids or _content(e) in seen_content for e in made):
+                reason = "duplicate_pair"  # same id, or the same premise and replies as an earlier row
+            units.update({f"{k}{'' if reason is None else '_in_dropped_rows'}": v for k, v in task.input_units(row).items()})
+            if reason is not None:
+                dropped[reason] += 1
                 continue
-            content = (pair["group_id"], pair["chosen"], pair["rejected"])
-            if pair["id"] in seen_ids or content in seen_content:  # same pair_id, or same post and replies
-                dropped["duplicate_pair"] += 1
-            else:
-                seen_ids.add(pair["id"])
-                seen_content.add(content)
-                scrubbed.update(pair["scrubbed"])  # texts whose give-aways were removed, by rule
-                pairs.append(pair)
+            n_used += 1
+            for e in made:
+                seen_ids.add(e["id"])
+                seen_content.add(_content(e))
+                scrubbed.update(e.get("scrubbed", []))  # texts whose give-aways were removed, by rule
+                examples.append(e)
         if n_rows == rows_before:
             run.fail({"task": task.NAME, "n_input_rows": n_rows, "dropped": dict(sorted(dropped.items()))},
                      f"{path}: no rows (the file is empty or holds only blank lines): nothing to build pairs from")
-    log.info("%d rows -> %d usable pairs", n_rows, len(pairs))
+    log.info("%d rows -> %d usable rows, %d examples", n_rows, n_used, len(examples))
 
-    # 3. Split by premise (group), then balance each split so reply length cannot pick the winner
-    #    (lengths are measured on the scrubbed texts, the ones written).
-    splits = split_by_group(pairs, {"train": 1 - config.dev_fraction - config.test_fraction,
-                                    "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
-    length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()}
-    kinds_before = length_kinds(pairs)
+    # 3. Split by premise (post, paper), then balance each split so reply length cannot pick the winner
+    #    (lengths are measured on the scrubbed texts, the ones written). Rows without a loser (review)
+    #    have nothing to balance.
+    strategy = config.length_balance if task.PAIRWISE else "none"
+    splits = split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
+                                       "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
+    length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()} if task.PAIRWISE else None
+    kinds_before = length_kinds(examples) if task.PAIRWISE else None
     for name in SPLITS:
-        splits[name], removed = balance_split(splits[name], config.length_balance, config.max_length_ratio, config.seed)
+        splits[name], removed = balance_split(splits[name], strategy, config.max_length_ratio, config.seed)
         dropped.update(removed)
+        n_used -= sum(removed.values())  # a CMV row is one pair: a pair balanced away is its row dropped
 
-    # 4. Write the splits and the accounting.
+    # 4. Write the splits and the accounting: n_rows_used + sum(dropped) == n_input_rows.
     for name in SPLITS:
         write_jsonl(run.dir / f"{name}.jsonl", splits[name])
     metrics = {
         "task": task.NAME,
         "n_input_rows": n_rows,
-        "n_pairs": {name: len(splits[name]) for name in SPLITS},
+        "n_rows_used": n_used,
+        "n_pairs": {name: len(splits[name]) for name in SPLITS},  # examples (pairs, review targets) per split
         "n_groups": {name: len({p["group_id"] for p in splits[name]}) for name in SPLITS},
         "dropped": dict(sorted(dropped.items())),
-        "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS},
+        "input_units": dict(sorted(units.items())),  # review: every input review, used or not
+        "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS} if task.PAIRWISE else None,
         "length_only_accuracy_before_balancing": length_before,
-        "length_balance": config.length_balance,
+        "length_balance": strategy,
         "length_kinds_before_balancing": kinds_before,
         # pairs kept / (2 x min(winner longer, winner shorter)) over the usable pairs
-        "kept_vs_balanced_max": _kept_share(splits, kinds_before),
+        "kept_vs_balanced_max": _kept_share(splits, kinds_before) if task.PAIRWISE else None,
         "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
-    accounted = sum(metrics["n_pairs"].values()) + sum(dropped.values())
+    accounted = n_used + sum(dropped.values())
     assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
-    log.info("pairs per split %s, dropped %s, length-only accuracy %s",
+    log.info("examples per split %s, dropped %s, length-only accuracy %s",
              metrics["n_pairs"], metrics["dropped"], metrics["length_only_accuracy"])
+
     # 5. A pairs run that a later stage cannot use is not finished: no DONE.
     empty = [name for name in ("train", "test") if not splits[name]]
     if empty:
-        run.fail(metrics, f"no pairs in the {' and '.join(empty)} split(s) of {n_rows} input rows "
-                          f"(dropped: {metrics['dropped'] or 'none'}): check --data and the split and length settings")
+        run.fail(metrics, f"no pairs in the {' and '.join(empty)} split(s) of {n_rows} input rows of "
+                          f"{', '.join(config.data)} (dropped: {metrics['dropped'] or 'none'}): check --data and "
+                          f"the split and length settings")
     run.finish(metrics)
+
+
+def _content(example: dict) -> tuple:
+    return example["group_id"], example["chosen"], example.get("rejected")
 
 
 def _kept_share(splits: dict, kinds: dict) -> float | None:

@@ -1,14 +1,19 @@
-"""Stage 02: supervised fine-tuning of the 4-bit base + rsLoRA on the winning replies.
+"""Stage 02: supervised fine-tuning of the 4-bit base + rsLoRA on the winning replies (CMV) or the
+structured reviews (review).
 
     python 02_train_sft.py --config configs/smol/02_train_sft.yaml --pairs_run runs/Nov30_Pairs_Run1
+    python 02_train_sft.py --config configs/smol/review/02_train_sft.yaml --pairs_run runs/Dec01_Pairs_Run2
 
 Prompt/completion data: TRL masks the prompt, so the loss is on the reply only. Each example is cut
-to fit `max_length` here (premise to `max_prompt_tokens`, reply at a sentence end), rather than
-letting the trainer cut the reply off blindly. Writes the adapter (adapter/) and metrics.json.
+to fit `max_length` here rather than letting the trainer cut the reply off blindly: a CMV premise to
+`max_prompt_tokens` and its reply at a sentence end; a paper, longer than the context, becomes one
+example per window (`input_strategy: sliding_window`, `window_overlap`) each with the whole review,
+or is cut to fit (`whole`, for a long-context base). Writes the adapter (adapter/) and metrics.json.
 """
 from __future__ import annotations
 
 import logging
+
 from datasets import Dataset
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
@@ -16,30 +21,28 @@ from trl import SFTConfig, SFTTrainer
 from common import patches
 from common.cli import cli
 from common.config import SFTStageConfig
-from common.data import fit_prompt, fit_reply, train_and_dev
+from common.data import train_and_dev
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.runs import Run
+from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
 
 
-def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig) -> Dataset:
-    """Winners as conversational prompt/completion examples that fit the token budget."""
-    examples = []
-    for row in rows:
-        prompt = fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)
-        reply = fit_reply(tokenizer, prompt, row["chosen"], config.max_length)
-        examples.append({"prompt": prompt, "completion": [{"role": "assistant", "content": reply}]})
-    return Dataset.from_list(examples)
+def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig, task) -> Dataset:
+    """Conversational prompt/completion examples that fit the token budget, as the task builds them
+    (CMV: one per winner; review: one per window of the paper, each with the whole target)."""
+    return Dataset.from_list([example for row in rows for example in task.sft_examples(row, tokenizer, config)])
 
 
 def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev_rows) -> SFTTrainer:
+    task = get_task(run.task)
     args = trainer_args(SFTConfig, config, run, max_length=config.max_length,
                         completion_only_loss=True, per_device_eval_batch_size=config.per_device_train_batch_size)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
-                         train_dataset=sft_dataset(train_rows, tokenizer, config),
-                         eval_dataset=sft_dataset(dev_rows, tokenizer, config) if dev_rows else None)
+                         train_dataset=sft_dataset(train_rows, tokenizer, config, task),
+                         eval_dataset=sft_dataset(dev_rows, tokenizer, config, task) if dev_rows else None)
     run.manifest["patches"] = patches.apply(trainer, config)
     return trainer
 
@@ -65,7 +68,8 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     if dev_rows:
         metrics["dev"] = trainer.evaluate()
     save_adapter(model, tokenizer, run)
-    metrics.update(n_train_examples=len(train_rows), n_dev_examples=len(dev_rows))
+    metrics.update(n_train_examples=len(train_rows), n_dev_examples=len(dev_rows),
+                   n_train_sequences=len(trainer.train_dataset))  # review: one per window of a paper
     run.finish(metrics)
 
 

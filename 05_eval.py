@@ -1,14 +1,19 @@
-"""Stage 05: score held-out premises with the base model and each adapter given.
+"""Stage 05: score held-out premises (CMV posts or papers) with the base model and each adapter given.
 
     python 05_eval.py --config configs/smol/05_eval.yaml --pairs_run runs/Nov30_Pairs_Run1 \
-        --reward_run runs/Nov30_Reward_Run1 --sft_run runs/Nov30_SFT_Run1 --policy_run runs/Nov30_GRPO_Run1
+        --reward_run runs/Nov30_Reward_Run1 --sft_run runs/Nov30_SFT_Run1 --policy_runs runs/Nov30_GRPO_Run1
+    python 05_eval.py --config configs/smol/review/05_eval.yaml --pairs_run runs/Dec01_Pairs_Run2 \
+        --sft_run runs/Dec01_SFT_Run2 --policy_runs runs/Dec01_DPO_Run1
 
-For each premise of the test split (one per original post), every model writes a greedy reply.
-Replies are compared with the winning reply (BLEU, ROUGE-L), scored by the stage-03 judge, and each
-adapter's win rate against the base (judge prefers its reply) comes with a 95% bootstrap interval,
-and so does its length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval).
-Writes eval.json, replies.jsonl, reply-length and reward histograms (PNG, also to W&B) and a
-readable report.md with the plots, the judge's audit verdict and sample replies side by side.
+For each premise of the held-out split (one per original post or paper), every model writes a
+greedy reply to the prompt cut to `max_prompt_tokens` (for a paper: its head, the first window;
+report.md says so). Replies are compared with the real ones (BLEU-4, ROUGE-1/2/L; against every
+real review of a paper). With a `--reward_run`, the stage-03 judge scores every reply, and each
+adapter's win rate against the base comes with a 95% bootstrap interval, and so does its
+length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval). The task
+adds its own metrics (review: the rating parsed from each review against the reviewers' mean, with
+a constant and a human baseline). Writes eval.json, replies.jsonl, histograms (PNG, also to W&B)
+and a readable report.md.
 """
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ from common.cli import cli
 from common.config import EvalConfig
 from common.data import fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import generate_replies
-from common.metrics import bleu, length_controlled_win_rate, rouge, win_rate
+from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.report import log_plots_to_wandb, plot_distributions, write_report
 from common.rewards import RewardScorer
 from common.runs import Run
+from common.tasks import get_task
 
 log = logging.getLogger("pipeline")
 
@@ -34,19 +40,18 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs (all finished, all on this base, all descended from --pairs_run:
     #    the held-out premises below were never trained on).
     set_seed(config.seed)
-    optional = {key: getattr(config, key) for key in ("sft_run", "policy_run") if getattr(config, key)}
-    run = Run("Eval", config, overrides, inputs={"pairs_run": config.pairs_run, "reward_run": config.reward_run,
-                                                 **optional}, base=fingerprint(config))
-    # model name in the report -> adapter folder
-    adapters = {name: Path(getattr(config, key)) / "adapter"
-                for key, name in (("sft_run", "sft"), ("policy_run", "grpo")) if key in optional}
+    inputs = {"pairs_run": config.pairs_run, "reward_run": config.reward_run, "sft_run": config.sft_run,
+              **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)}}
+    run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
+    task = get_task(run.task)
+    adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
     run.start_tracking()
 
-    # 2. Held-out premises: one per original post, its (first) winning reply as the reference.
+    # 2. Held-out premises: one per original post or paper, with its real replies as references.
     tokenizer = load_tokenizer(config)
     premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
-    references = [r["chosen"] for r in premises]
+    references = [task.references(r) for r in premises]
     log.info("evaluating %s on %d premises", ["base", *adapters], len(premises))
 
     # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base.
@@ -65,38 +70,51 @@ def main(config: EvalConfig, overrides: dict) -> None:
         replies[name] = generate_replies(model, tokenizer, prompts, **gen)
     del model
 
-    # 4. Judge every reply; overlap with the winning reply; win rates against the base.
-    #    The judge is the reward run's own; the length-controlled win rate regresses its length
-    #    effect out of the preference.
-    judge = RewardScorer.from_run(config.reward_run, batch_size=config.batch_size)
-    run.manifest["judge"] = run.inputs["reward_run"].get("judge")
-    run.save_manifest()
-    rewards = {name: judge.score(prompts, texts) for name, texts in replies.items()}
+    # 4. Score: overlap with the real replies; the judge (when given): reward, win rates against the
+    #    base (plain and length-controlled); the task's own metrics (review: ratings, baselines).
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
-    results = {}
-    for name, texts in replies.items():
-        results[name] = {"n": len(texts), "bleu": bleu(texts, references), **rouge(texts, references),
-                         "reward_mean": sum(rewards[name]) / len(texts),
-                         "reply_words_mean": sum(words[name]) / len(texts),
-                         **win_rate(rewards[name], rewards["base"], seed=config.seed),
-                         **length_controlled_win_rate(rewards[name], rewards["base"], words[name],
-                                                      words["base"], seed=config.seed)}
+    results = {name: {"n": len(texts), **text_metrics(texts, references),
+                      "reply_words_mean": sum(words[name]) / max(1, len(texts))} for name, texts in replies.items()}
+    rewards, verdict = {}, None
+    if config.reward_run:
+        judge = RewardScorer.from_run(config.reward_run, batch_size=config.batch_size)
+        run.manifest["judge"] = run.inputs["reward_run"].get("judge")
+        run.save_manifest()
+        rewards = {name: judge.score(prompts, texts) for name, texts in replies.items()}
+        for name in replies:
+            results[name].update(judge_metrics(rewards[name], rewards["base"], words[name], words["base"], config.seed))
+        audit = Path(config.reward_run) / "judge_audit.json"
+        verdict = read_json(audit)["verdict"]["text"] if audit.is_file() else None
+    task_report = task.evaluate(premises, replies, results, load_split(config.pairs_run, "train"))
+    for name in results:
         log.info("%s: %s", name, results[name])
 
-    # 5. Write eval.json, every reply with its score, the report; mark done.
-    write_json(run.dir / "eval.json", results)
+    # 5. Write eval.json, every reply with its scores, the plots and the report; mark done.
+    write_json(run.dir / "eval.json", {**results, **task_report["baselines"]})
     write_jsonl(run.dir / "replies.jsonl", [
-        {"id": p["id"], "premise": p["premise"], "reference": p["chosen"],
-         **{name: {"reply": replies[name][i], "reward": rewards[name][i]} for name in replies}}
+        {"id": p["id"], "premise": p.get("premise") or p.get("paper", "")[:2000], "reference": p["chosen"],
+         **{name: {"reply": replies[name][i], **({"reward": rewards[name][i]} if rewards else {}),
+                   **task_report["per_reply"].get(name, [{}] * len(premises))[i]} for name in replies}}
         for i, p in enumerate(premises)])
-    plots = plot_distributions(run.dir, replies, rewards)  # reply length and reward, base vs adapters
+    plots = {**plot_distributions(run.dir, replies, rewards), **task_report["plots"](run.dir)}
     log_plots_to_wandb(plots)
-    audit = Path(config.reward_run) / "judge_audit.json"
-    verdict = read_json(audit)["verdict"]["text"] if audit.is_file() else None
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
-                          config.n_report_samples, plots, verdict)
-    run.finish({"models": results, "n_premises": len(premises), "report": str(report)})
+                          config.n_report_samples, plots, verdict, task_report["sections"],
+                          reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})")
+    run.finish({"models": results, **task_report["baselines"], "n_premises": len(premises), "report": str(report)})
     print(f"report: {report.resolve()}")
+
+
+def model_adapters(run) -> dict[str, Path]:
+    """sft, then each policy under its stage's name (grpo, dpo, orpo; a second of a kind gets a number)."""
+    adapters = {}
+    if run.config.sft_run:
+        adapters["sft"] = Path(run.config.sft_run) / "adapter"
+    for i, path in enumerate(run.config.policy_runs):
+        name = run.inputs[f"policy_runs[{i}]"]["stage"].lower()
+        name = name if name not in adapters else f"{name}{i + 1}"
+        adapters[name] = Path(path) / "adapter"
+    return adapters
 
 
 if __name__ == "__main__":

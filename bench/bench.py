@@ -12,6 +12,20 @@ one repeated word, sized so that each example has the token length of a real Cha
 (bench/cmv_lengths.json, from words x 1.3, cut as the stages cut); the stand-in tokenizer is the
 tiny recipe's (2k ids), and generated ids beyond it decode as that word, so replies keep their
 length for the reward model. Results: results.json (and a table on stdout) under --out.
+
+The review task's shapes (not in the default --sections; bench/RESULTS.md "Review shapes"):
+
+    python bench/bench.py --out bench/out --sections review_sft,review_dpo,review_gen --deadline 480
+
+review_sft: one SFT sequence of 8,192 tokens (configs/llama3-8b/review: a paper window + a ~1k-token
+review) and of 20,480 (configs/llama31-8b/review: the paper whole), through 02's build_trainer with
+the review task, against TRL's SFTTrainer defaults. review_dpo: an 8,192-token prompt with 1,024-token
+chosen and rejected replies through 04_train_dpo's preference_dataset and build_trainer
+(configs/llama3-8b/review/04_train_dpo.yaml, max_length 9,216) against TRL's DPOTrainer defaults; both
+on the model as a PeftModel, so TRL adds its frozen `ref` copy of the adapter. review_gen: greedy
+review generation with common.generation.decode, 8,192-token prompt, 1,024 new tokens, at batch 1, 2,
+4, 8, 16 (up to the first out-of-memory). Training rows run one micro-batch per optimiser step
+(gradient accumulation 1): memory and tokens/s are those of a micro-batch of the recipe.
 """
 from __future__ import annotations
 
@@ -43,7 +57,8 @@ START = time.time()
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from common.config import GRPOStageConfig, RewardStageConfig, SFTStageConfig  # noqa: E402
+from common.config import DPOStageConfig, GRPOStageConfig, RewardStageConfig, SFTStageConfig  # noqa: E402
+from common.tasks import cmv  # noqa: E402
 
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
@@ -200,9 +215,9 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
             "tokens_per_s": round(real / seconds, 1), "peak_gib": peak}
 
 
-def bench_run(path: Path):
+def bench_run(path: Path, task: str = "cmv"):
     """What the stages' build_trainer and train() need of a run, without a run directory's records."""
-    return SimpleNamespace(dir=path, manifest={}, save_manifest=lambda: None)
+    return SimpleNamespace(dir=path, manifest={}, save_manifest=lambda: None, task=task, is_main=True)
 
 
 # --- the bench -----------------------------------------------------------------------------------
@@ -257,13 +272,13 @@ class Bench:
         finally:
             mem_reset()
 
-    def config(self, cls, yaml_name, **over):
-        """The llama3-8b recipe's config for a stage (its fast settings), with the bench's overrides.
-        The bench feeds the trainers itself: its input runs are placeholders."""
+    def config(self, cls, yaml_name, recipe="llama3-8b", **over):
+        """A recipe's config for a stage (default llama3-8b, its fast settings), with the bench's
+        overrides. The bench feeds the trainers itself: its input runs are placeholders."""
         import dataclasses
 
         from common.cli import parse_config
-        argv = ["--config", str(REPO / "configs/llama3-8b" / yaml_name), "--model_name_or_path", self.model_path,
+        argv = ["--config", str(REPO / "configs" / recipe / yaml_name), "--model_name_or_path", self.model_path,
                 "--report_to", "none", "--save_steps", "1000000", "--logging_steps", "1000000"]
         for name in ("pairs_run", "sft_run", "reward_run"):
             if name in {f.name for f in dataclasses.fields(cls)}:
@@ -272,11 +287,11 @@ class Bench:
             argv += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
         return parse_config(cls, argv)[0]
 
-    def run_dir(self, name):
+    def run_dir(self, name, task="cmv"):
         path = self.work / name
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
-        return bench_run(path)
+        return bench_run(path, task)
 
     # SFT -----------------------------------------------------------------------------------------
     def sft_rows(self, lengths):
@@ -300,7 +315,7 @@ class Bench:
                                  per_device_train_batch_size=cfg.per_device_train_batch_size,
                                  **({"bf16": False, "use_cpu": True} if self.tiny else {}))
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
-                                     train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg))
+                                     train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
         r = train_run(trainer, ga, ours)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "per_device": cfg.per_device_train_batch_size, "grad_accum": ga,
@@ -326,7 +341,7 @@ class Bench:
                                  per_device_train_batch_size=1, report_to="none", save_strategy="no",
                                  disable_tqdm=True, **({"bf16": False, "use_cpu": True} if self.tiny else {}))
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
-                                     train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg))
+                                     train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
         r = train_run(trainer, 1, ours)
         self.record({"stage": "long", "name": f"long_{n}_{'ours' if ours else 'trl'}" + ("_chunked" if
                      cfg.mlp_chunk_tokens else ""), "setting": "ours" if ours else "trl", "tokens": n,
@@ -338,8 +353,9 @@ class Bench:
 
     # eval generation -------------------------------------------------------------------------------
     def evalgen(self, ours):
-        import common.generation as gen
         import yaml
+
+        import common.generation as gen
         cfg = SimpleNamespace(batch_size=16, repetition_penalty=1.0)
         cfg.__dict__.update(yaml.safe_load((REPO / "configs/llama3-8b/05_eval.yaml").read_text()))
         n, new = (cfg.batch_size, 256) if ours else (16, 64)

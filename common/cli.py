@@ -106,8 +106,9 @@ def _bind_to_run(cls, run_dir: Path, requested: dict, sources: dict, names: set,
         raise ConfigError(f"--resume {run_dir}: that run is finished (DONE); a finished run is never modified")
     if not (run_dir / "manifest.json").is_file() or not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {run_dir}: not a run directory (no manifest.json and config.yaml)")
+    from common.config import STAGE_CONFIGS
     stage = read_json(run_dir / "manifest.json").get("stage")
-    if stage != cls.STAGE:
+    if STAGE_CONFIGS.get(stage) is not cls:
         raise ConfigError(f"--resume {run_dir}: that is a {stage} run; this script continues {cls.STAGE} runs only")
     recorded = _read_yaml(run_dir / "config.yaml", names)
     for key, value in requested.items():
@@ -160,7 +161,7 @@ def _parse_raw(raws: list[str], annotation):
 
 def _script_yaml(cls) -> str:
     return {"Pairs": "01_build_pairs.yaml", "SFT": "02_train_sft.yaml", "Reward": "03_train_reward.yaml",
-            "GRPO": "04_train_grpo.yaml", "Eval": "05_eval.yaml"}.get(cls.STAGE, "0N_<stage>.yaml")
+            "GRPO": "04_train_grpo.yaml", "DPO": "04_train_dpo.yaml", "Eval": "05_eval.yaml"}.get(cls.STAGE, "0N_<stage>.yaml")
 
 
 def help_text(cls, doc: str) -> str:

@@ -124,7 +124,7 @@ class PairsConfig(RunArgs):
     """Stage 01: source rows -> split, length-balanced pairs."""
     STAGE: ClassVar[str] = "Pairs"
 
-    task: Literal["cmv"] = arg("cmv", "the task whose source rows are read (common/tasks/)")
+    task: Literal["cmv", "review"] = arg("cmv", "the task whose source rows are read (common/tasks/)")
     data: list[str] = arg(help="JSONL or JSONL.gz files in the task's bundled format",
                           factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
     premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
@@ -136,6 +136,9 @@ class PairsConfig(RunArgs):
     max_length_ratio: float | None = arg(None, "drop pairs whose longer reply has more than this times the words", ge=1)
     scrub_giveaways: bool = arg(True, "remove edit notes, delta mentions, bot/moderator boilerplate")
     skip_bad_rows: bool = arg(False, "skip and count malformed rows (dropped.bad_row) instead of stopping")
+    review_target: Literal["merged", "per_review"] = arg(
+        "merged", "review task: one target per paper, ratings averaged over its reviewers (merged), or one "
+        "target per official review with its own rating (per_review); docs/review.md")
 
     def check(self):
         if self.dev_fraction + self.test_fraction >= 1:
@@ -160,8 +163,17 @@ class PairsInputArgs:
 
 
 @dataclass
-class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
-    """Stage 02: supervised fine-tuning on the winners."""
+class LongInputArgs:
+    """How a long input (a paper) meets the context: the review task; a CMV premise always fits."""
+    input_strategy: Literal["sliding_window", "whole"] = arg(
+        "sliding_window", "sliding_window: each training example is one window of the paper plus the whole "
+        "target, windows covering every token; whole: the paper cut to fit max_length (long-context base)")
+    window_overlap: int = arg(256, "tokens two neighbouring windows share", ge=0)
+
+
+@dataclass
+class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArgs):
+    """Stage 02: supervised fine-tuning on the winners (CMV) or the structured reviews (review)."""
     STAGE: ClassVar[str] = "SFT"
 
     max_eval_examples: int = arg(64, "dev examples for the held-out loss", ge=0)
@@ -218,14 +230,43 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
 
 
 @dataclass
+class DPOStageConfig(RunArgs, ModelArgs, TrainArgs):
+    """Stage 04 (preference): DPO or ORPO from the SFT adapter, on either task."""
+    STAGE: ClassVar[str] = "DPO"  # ORPO runs are named ..._ORPO_RunN
+
+    sft_run: str | None = arg(None, "a finished SFT run: the policy starts from its adapter (required)")
+    loss: Literal["dpo", "orpo"] = arg("dpo", "dpo: TRL's DPOTrainer, the reference = the SFT adapter frozen on "
+                                       "the same base; orpo: trl.experimental.orpo (no reference)")
+    beta: float = arg(0.1, "DPO's beta (strength of the reference); ORPO's lambda", gt=0)
+    max_prompt_tokens: int = arg(512, "the prompt is cut to this (review: the paper's first window)", ge=1)
+    max_length: int = arg(768, "prompt + reply tokens; replies are cut at a sentence end to fit", ge=2)
+    max_pairs: int | None = arg(None, "use only the first N preference pairs", ge=1)
+    rejected_from: Literal["base", "sft"] = arg(
+        "sft", "review task: the rejected review is the pipeline's own generation, by the untrained base or "
+        "the SFT adapter (made by this stage, saved in rejected.jsonl)")
+    max_new_tokens: int = arg(1024, "review task: tokens of each generated (rejected) review", ge=1)
+    generation_batch_size: int = arg(8, "review task: papers generated at once", ge=1)
+
+    @property
+    def stage(self) -> str:
+        return self.loss.upper()
+
+    def check(self):
+        require(self, "sft_run")
+        if self.max_prompt_tokens >= self.max_length:
+            raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_length "
+                              f"({self.max_length}): no room is left for the reply", "max_prompt_tokens")
+
+
+@dataclass
 class EvalConfig(RunArgs, ModelArgs):
     """Stage 05: held-out premises, every model, every metric."""
     STAGE: ClassVar[str] = "Eval"
 
     pairs_run: str | None = arg(None, "the Pairs run whose held-out split is scored (required)")
-    reward_run: str | None = arg(None, "the Reward run whose judge scores every reply (required)")
+    reward_run: str | None = arg(None, "the Reward run whose judge scores every reply (required for CMV)")
     sft_run: str | None = arg(None, "an SFT run to evaluate (optional)")
-    policy_run: str | None = arg(None, "a GRPO run to evaluate (optional)")
+    policy_runs: list[str] = arg(help="GRPO, DPO or ORPO runs to evaluate (optional)", factory=list)
     split: Literal["train", "dev", "test"] = arg("test", "the split whose premises are scored")
     max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
@@ -236,11 +277,11 @@ class EvalConfig(RunArgs, ModelArgs):
 
     def check(self):
         require(self, "pairs_run")
-        require(self, "reward_run")
 
 
 STAGE_CONFIGS = {cls.STAGE: cls for cls in (PairsConfig, SFTStageConfig, RewardStageConfig, GRPOStageConfig,
-                                            EvalConfig)}
+                                            DPOStageConfig, EvalConfig)}
+STAGE_CONFIGS["ORPO"] = DPOStageConfig
 
 
 def require(config, name: str) -> None:

@@ -280,8 +280,13 @@ def prompt_length(tokenizer, prompt_messages: list[dict]) -> int:
     return len(token_ids(tokenizer.apply_chat_template(prompt_messages, add_generation_prompt=True, tokenize=True)))
 
 
+def template_closing_tokens(tokenizer, prompt_messages: list[dict]) -> int:
+    """Tokens the chat template adds after a reply (end of turn)."""
+    return _template_overheads(tokenizer, prompt_messages)[1]
+
+
 def fit_reply(tokenizer, prompt_messages: list[dict], reply: str, max_length: int) -> str:
     """Cut the reply (at a sentence end where possible) so prompt + reply fit `max_length`."""
-    _, closing = _template_overheads(tokenizer, prompt_messages)
+    closing = template_closing_tokens(tokenizer, prompt_messages)
     budget = max_length - prompt_length(tokenizer, prompt_messages) - closing - 1
     return truncate_tokens(tokenizer, reply, budget, sentence_boundary=True)

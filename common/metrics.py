@@ -43,16 +43,27 @@ def preference_metrics(pairs: list[dict], chosen_scores: list[float], rejected_s
     }
 
 
-def bleu(hypotheses: list[str], references: list[str]) -> float:
-    """Corpus BLEU-4 (sacrebleu's default tokenizer), 0-100."""
-    return float(BLEU().corpus_score(hypotheses, [references]).score)
+def text_metrics(hypotheses: list[str], references: list[list[str]]) -> dict:
+    """Overlap with the real replies, each hypothesis against all of its references: corpus BLEU-4
+    (sacrebleu, 0-100; `bleu` and `bleu4` are the same number) and ROUGE-1/2/L F1 (0-1, the best
+    reference per hypothesis, averaged). A premise with fewer references repeats its last one, which
+    changes no n-gram clip and no closest length, so BLEU is that of its own references."""
+    if not hypotheses:
+        return {"bleu": 0.0, "bleu4": 0.0, "rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+    width = max(len(refs) for refs in references)
+    streams = [[refs[min(i, len(refs) - 1)] for refs in references] for i in range(width)]
+    score = float(BLEU().corpus_score(hypotheses, streams).score)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    best = [scorer.score_multi(refs, hyp) for hyp, refs in zip(hypotheses, references)]
+    return {"bleu": score, "bleu4": score,
+            **{k: float(np.mean([b[k].fmeasure for b in best])) for k in ("rouge1", "rouge2", "rougeL")}}
 
 
-def rouge(hypotheses: list[str], references: list[str], kinds=("rougeL",)) -> dict:
-    """Mean ROUGE F1 per kind, 0-1."""
-    scorer = rouge_scorer.RougeScorer(list(kinds), use_stemmer=True)
-    scores = [scorer.score(ref, hyp) for hyp, ref in zip(hypotheses, references)]
-    return {k: float(np.mean([s[k].fmeasure for s in scores])) if scores else 0.0 for k in kinds}
+def judge_metrics(scores, base_scores, lengths, base_lengths, seed: int = 0) -> dict:
+    """What a judge says of one model against the base: its mean reward, and its win rate and
+    length-controlled win rate vs the base, with intervals."""
+    return {"reward_mean": float(np.mean(scores)) if len(scores) else None, **win_rate(scores, base_scores, seed=seed),
+            **length_controlled_win_rate(scores, base_scores, lengths, base_lengths, seed=seed)}
 
 
 def win_rate(scores: list[float], base_scores: list[float], n_boot: int = 2000, seed: int = 0) -> dict:

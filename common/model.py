@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          BitsAndBytesConfig)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import cached_file
 
 from common.config import MODEL_PACKAGES, ModelArgs

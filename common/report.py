@@ -15,9 +15,10 @@ def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: di
     import matplotlib.pyplot as plt
 
     plots = {}
-    for key, title, xlabel, values in (
-            ("reply_length", "Reply length", "words", {n: [n_words(t) for t in r] for n, r in replies.items()}),
-            ("reward", "Judge's reward", "reward (stage-03 judge)", rewards)):
+    panels = [("reply_length", "Reply length", "words", {n: [n_words(t) for t in r] for n, r in replies.items()})]
+    if rewards:  # only with a judge
+        panels.append(("reward", "Judge's reward", "reward (stage-03 judge)", rewards))
+    for key, title, xlabel, values in panels:
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
         low = min(min(v) for v in values.values() if v)
         high = max(max(v) for v in values.values() if v)
@@ -37,6 +38,30 @@ def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: di
     return plots
 
 
+def plot_ratings(out_dir: Path, pairs: dict[str, list[tuple[float, float]]]) -> dict:
+    """Predicted vs human rating, one colour per model, the diagonal for reference. Returns {caption: path}."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
+    for name, points in pairs.items():
+        if points:
+            ax.scatter([g for _, g in points], [p for p, _ in points], alpha=0.6, label=f"{name} ({len(points)})")
+    ax.plot([1, 6], [1, 6], color="grey", linewidth=1)
+    ax.set_xlim(0.8, 6.2)
+    ax.set_ylim(0.8, 6.2)
+    ax.set_xlabel("human rating (mean of the paper's reviewers)")
+    ax.set_ylabel("rating in the generated review")
+    ax.set_title("Predicted vs human rating")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(out_dir) / "rating_scatter.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return {"Predicted vs human rating": path}
+
+
 def log_plots_to_wandb(plots: dict) -> None:
     """The plots as W&B images, when a W&B run is open."""
     try:
@@ -53,36 +78,54 @@ def _cell(text: str, max_words: int = 120) -> str:
     return short.replace("|", "\\|").replace("\n", " ") or "*(empty)*"
 
 
-def write_report(path: Path, run_name: str, results: dict, premises: list[dict], replies: dict,
-                 rewards: dict, n_samples: int, plots: dict | None = None, judge_verdict: str | None = None) -> Path:
+def _fmt(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _with_ci(r: dict, key: str) -> str:
+    if key not in r:
+        return "n/a"
+    low, high = r[f"{key}_ci95"]
+    return f"{r[key]:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def write_report(path: Path, run_name: str, results: dict, premises: list[dict], replies: dict, rewards: dict,
+                 n_samples: int, plots: dict | None = None, judge_verdict: str | None = None,
+                 sections: list[str] | None = None, reading: str = "the prompt") -> Path:
+    """report.md: the metrics table (judge columns only with a judge), the task's own sections, the
+    judge's audit verdict, the plots, and sample replies side by side with the real one."""
     names = list(results)
     lines = [f"# Evaluation {run_name}", "",
-             f"{len(premises)} held-out premises; greedy replies; reward = the stage-03 judge's score; "
-             "win rate = share of premises where the judge prefers the model's reply to the base's "
-             "(ties half), with a 95% bootstrap interval; LC win rate = the same preference with the "
-             "length effect regressed out (logistic fit of the win on the length difference, read at "
-             "equal length, as AlpacaEval's length-controlled win rate); BLEU/ROUGE-L against the "
-             "winning reply.", "",
-             "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] | BLEU | ROUGE-L | words (mean) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"{len(premises)} held-out premises; greedy replies to {reading}; BLEU-4 and ROUGE against the "
+             "real replies (every real reply of a premise is a reference)."]
+    if rewards:
+        lines += ["Reward = the stage-03 judge's score; win rate = share of premises where the judge prefers "
+                  "the model's reply to the base's (ties half), with a 95% bootstrap interval; LC win rate = the "
+                  "same preference with the length effect regressed out (logistic fit of the win on the length "
+                  "difference, read at equal length, as AlpacaEval's length-controlled win rate)."]
+    judge_head = " reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |" if rewards else ""
+    lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) |",
+              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- |"]
     for name in names:
         r = results[name]
-        low, high = r["win_rate_vs_base_ci95"]
-        lc = (f"{r['lc_win_rate_vs_base']:.2f} [{r['lc_win_rate_vs_base_ci95'][0]:.2f}, "
-              f"{r['lc_win_rate_vs_base_ci95'][1]:.2f}]") if "lc_win_rate_vs_base" in r else "n/a"
-        lines.append(f"| {name} | {r['reward_mean']:.3f} | {r['win_rate_vs_base']:.2f} [{low:.2f}, {high:.2f}] "
-                     f"| {lc} | {r['bleu']:.2f} | {r['rougeL']:.3f} | {r['reply_words_mean']:.0f} |")
+        judge = (f" {_fmt(r.get('reward_mean'))} | {_with_ci(r, 'win_rate_vs_base')} | "
+                 f"{_with_ci(r, 'lc_win_rate_vs_base')} |") if rewards else ""
+        lines.append(f"| {name} |{judge} {r['bleu4']:.2f} | {r['rouge1']:.3f} | {r['rouge2']:.3f} | "
+                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} |")
+    lines += sections or []
     if judge_verdict:
         lines += ["", "## The judge", "", f"From the reward run's judge_audit.json: {judge_verdict}"]
     if plots:
-        lines += ["", "## Distributions", ""]
+        lines += ["", "## Plots", ""]
         for caption, plot in plots.items():
             lines += [f"![{caption}]({Path(plot).name})", ""]
     lines += ["", "## Sample replies", ""]
     for i, premise in enumerate(premises[:n_samples]):
-        lines += [f"### {i + 1}. {_cell(premise['premise'].splitlines()[0], 30)}", "",
-                  f"> {_cell(premise['premise'], 80)}", "",
-                  "| " + " | ".join(f"{n} (reward {rewards[n][i]:.2f})" for n in names) + " | winning reply |",
+        text = premise.get("premise") or premise.get("paper", "")
+        score = (lambda n: f" (reward {rewards[n][i]:.2f})") if rewards else (lambda n: "")
+        lines += [f"### {i + 1}. {_cell(text.splitlines()[0] if text else premise['id'], 30)}", "",
+                  f"> {_cell(text, 80)}", "",
+                  "| " + " | ".join(f"{n}{score(n)}" for n in names) + " | real reply |",
                   "| " + " | ".join("---" for _ in names) + " | --- |",
                   "| " + " | ".join(_cell(replies[n][i]) for n in names) + f" | {_cell(premise['chosen'])} |", ""]
     path.write_text("\n".join(lines) + "\n")

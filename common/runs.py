@@ -26,7 +26,8 @@ from common.data import DataError, read_json, write_json
 log = logging.getLogger("pipeline")
 
 # Which stage an input run must come from, by the name of its command-line field.
-INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Reward",), "policy_run": ("GRPO",)}
+INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Reward",),
+                "policy_runs": ("GRPO", "DPO", "ORPO")}
 
 
 class RunError(RuntimeError):
@@ -200,7 +201,7 @@ def check_input(name: str, path) -> dict | None:
             raise DataError(f"--data {path}: no such file")
         return None
     manifest = require_done(path)
-    expected = INPUT_STAGES.get(name)
+    expected = INPUT_STAGES.get(name.split("[")[0])  # a list field's inputs are named policy_runs[0], ...
     if expected and manifest.get("stage") not in expected:
         raise RunError(f"--{name} {path}: that is a {manifest.get('stage')} run; --{name} takes a "
                        f"{' or '.join(expected)} run")

@@ -19,7 +19,7 @@ sft=$(stage 02_train_sft.py --config configs/smol/02_train_sft.yaml --pairs_run 
 reward=$(stage 03_train_reward.py --config configs/smol/03_train_reward.yaml --pairs_run "$pairs")
 grpo=$(stage 04_train_grpo.py --config configs/smol/04_train_grpo.yaml --sft_run "$sft" --reward_run "$reward")
 evalrun=$(stage 05_eval.py --config configs/smol/05_eval.yaml --pairs_run "$pairs" --reward_run "$reward" \
-  --sft_run "$sft" --policy_run "$grpo")
+  --sft_run "$sft" --policy_runs "$grpo")
 
 echo
 echo "demo finished in $(( $(date +%s) - start )) s; runs: $pairs $sft $reward $grpo $evalrun"

@@ -77,7 +77,7 @@ job[02]=$(submit 02 02_train_sft "${job[01]}" --pairs_run "$r/${name[01]}")
 job[03]=$(submit 03 03_train_reward "${job[01]}" --pairs_run "$r/${name[01]}")
 job[04]=$(submit 04 04_train_grpo "${job[02]}:${job[03]}" --sft_run "$r/${name[02]}" --reward_run "$r/${name[03]}")
 job[05]=$(submit 05 05_eval "${job[01]}:${job[02]}:${job[03]}:${job[04]}" --pairs_run "$r/${name[01]}" \
-          --reward_run "$r/${name[03]}" --sft_run "$r/${name[02]}" --policy_run "$r/${name[04]}")
+          --reward_run "$r/${name[03]}" --sft_run "$r/${name[02]}" --policy_runs "$r/${name[04]}")
 
 echo "submitted the pipeline ($recipe) into $runs_dir:"
 printf '  %-8s %-22s %s\n' job "run directory" "starts after"

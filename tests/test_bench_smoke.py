@@ -81,6 +81,7 @@ def test_gpu_cuda_graph_decode_equals_eager(lora_tiny):
 
 def test_dropping_the_mask_of_right_padded_batches_is_exact(tiny_model):
     from transformers import AutoModelForCausalLM
+
     from common.patches import unmask_right_padding
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()

@@ -5,7 +5,6 @@ import gzip
 import json
 
 import pytest
-
 from conftest import REPO, run_dir_of, run_stage
 
 BUNDLED = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"

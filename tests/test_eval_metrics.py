@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from common.metrics import length_controlled_win_rate, win_rate
-from common.watch import distinct_n, hacking_stats, premise_overlap
 from common.report import plot_distributions, write_report
+from common.watch import distinct_n, hacking_stats, premise_overlap
 
 
 def _premises(n):
@@ -55,8 +55,8 @@ def test_plots_are_pngs_and_embedded_in_the_report(tmp_path):
     for path in plots.values():
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
     results = {name: {"reward_mean": float(np.mean(r)), "win_rate_vs_base": 0.5, "win_rate_vs_base_ci95": [0.4, 0.6],
-                      "lc_win_rate_vs_base": 0.5, "lc_win_rate_vs_base_ci95": [0.3, 0.7], "bleu": 0.0,
-                      "rougeL": 0.0, "reply_words_mean": 3.0} for name, r in rewards.items()}
+                      "lc_win_rate_vs_base": 0.5, "lc_win_rate_vs_base_ci95": [0.3, 0.7], "bleu4": 0.0,
+                      "rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0, "reply_words_mean": 3.0} for name, r in rewards.items()}
     report = write_report(tmp_path / "report.md", "Nov30_Eval_Run1", results, _premises(4), replies, rewards, 2,
                           plots, "The judge falls for pad_loser_filler.")
     text = report.read_text()

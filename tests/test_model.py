@@ -15,6 +15,7 @@ from common.data import load_split
 from common.model import CAUSAL_LM, SEQ_CLS, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
 from common.runs import Run
+from common.tasks import cmv
 
 sft_stage = importlib.import_module("02_train_sft")
 
@@ -79,10 +80,10 @@ def test_gradients_survive_a_no_grad_eval_forward(sft_config):
 def test_sft_batch_masks_the_prompt_and_trains_the_reply(sft_config, pairs_run):
     tokenizer = load_tokenizer(sft_config)
     model = load_model(sft_config, CAUSAL_LM)
-    run = Run("SFT", sft_config, {}, argv=["test"])
+    run = Run("SFT", sft_config, {}, inputs={"pairs_run": pairs_run}, argv=["test"])
     rows = load_split(pairs_run, "train")[:4]
     trainer = sft_stage.build_trainer(sft_config, run, model, tokenizer, rows, [])
-    raw = sft_stage.sft_dataset(rows, tokenizer, sft_config)
+    raw = sft_stage.sft_dataset(rows, tokenizer, sft_config, cmv)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     for i in range(4):
         prompt_ids = tokenizer.apply_chat_template(raw[i]["prompt"], add_generation_prompt=True, tokenize=True)
@@ -99,7 +100,7 @@ def test_training_moves_lora_and_leaves_the_4bit_base(sft_config, pairs_run):
     tokenizer = load_tokenizer(sft_config)
     model = load_model(sft_config, CAUSAL_LM)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    run = Run("SFT", sft_config, {}, argv=["test"])
+    run = Run("SFT", sft_config, {}, inputs={"pairs_run": pairs_run}, argv=["test"])
     trainer = sft_stage.build_trainer(sft_config, run, model, tokenizer, load_split(pairs_run, "train")[:12], [])
     trainer.train()
     after = dict(model.named_parameters())

@@ -10,10 +10,10 @@ import random
 import re
 
 import pytest
+from conftest import REPO, run_dir_of, run_stage
 
 from common.data import balance_by_length, n_words
 from common.tasks import cmv
-from conftest import REPO, run_dir_of, run_stage
 
 BUNDLED = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
 GIVEAWAY = re.compile(r"\bdeltas?\b|[\u0394\u2206]|!delta|deltabot|^\W*edit\b", re.I | re.M)

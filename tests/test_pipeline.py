@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import run_dir_of, run_stage
 
 
@@ -20,20 +19,22 @@ def pipeline(tiny_model, pairs_run, tmp_path_factory) -> dict[str, Path]:
                                   "--pairs_run", pairs_run, *common))
     grpo = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml",
                                 "--sft_run", sft, "--reward_run", reward, *common))
+    dpo = run_dir_of(run_stage("04_train_dpo.py", "--config", "configs/tiny/04_train_dpo.yaml", "--sft_run", sft,
+                               *common))
     proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
-                     "--reward_run", reward, "--sft_run", sft, "--policy_run", grpo, *common)
-    return {"pairs": pairs_run, "sft": sft, "reward": reward, "grpo": grpo, "eval": run_dir_of(proc),
+                     "--reward_run", reward, "--sft_run", sft, "--policy_runs", grpo, dpo, *common)
+    return {"pairs": pairs_run, "sft": sft, "reward": reward, "grpo": grpo, "dpo": dpo, "eval": run_dir_of(proc),
             "eval_stdout": proc.stdout, "runs": runs}
 
 
 def test_every_stage_finished_with_its_artifacts(pipeline):
-    for key in ("pairs", "sft", "reward", "grpo", "eval"):
+    for key in ("pairs", "sft", "reward", "grpo", "dpo", "eval"):
         run = pipeline[key]
         for name in ("config.yaml", "manifest.json", "run.log", "metrics.json", "DONE"):
             assert (run / name).is_file(), f"{run} lacks {name}"
     for split in ("train", "dev", "test"):
         assert (pipeline["pairs"] / f"{split}.jsonl").stat().st_size > 0
-    for key in ("sft", "reward", "grpo"):
+    for key in ("sft", "reward", "grpo", "dpo"):
         assert (pipeline[key] / "adapter" / "adapter_model.safetensors").is_file()
     assert (pipeline["eval"] / "report.md").is_file()
     assert f"report: {pipeline['eval'] / 'report.md'}" in pipeline["eval_stdout"]
@@ -41,7 +42,8 @@ def test_every_stage_finished_with_its_artifacts(pipeline):
 
 def test_run_directory_names_follow_the_contract(pipeline):
     import re
-    for key, stage in (("pairs", "Pairs"), ("sft", "SFT"), ("reward", "Reward"), ("grpo", "GRPO"), ("eval", "Eval")):
+    for key, stage in (("pairs", "Pairs"), ("sft", "SFT"), ("reward", "Reward"), ("grpo", "GRPO"), ("dpo", "DPO"),
+                       ("eval", "Eval")):
         assert re.fullmatch(rf"[A-Z][a-z]{{2}}\d{{2}}_{stage}_Run1", pipeline[key].name), pipeline[key].name
 
 
@@ -68,7 +70,7 @@ def test_wandb_runs_offline_inside_the_run_directory(pipeline):
 
 def test_eval_json_has_every_model_and_metric(pipeline):
     results = json.loads((pipeline["eval"] / "eval.json").read_text())
-    assert set(results) == {"base", "sft", "grpo"}
+    assert set(results) == {"base", "sft", "grpo", "dpo"}  # GRPO and DPO on the same held-out premises
     for name, metrics in results.items():
         for key in ("bleu", "rougeL", "reward_mean", "win_rate_vs_base"):
             assert isinstance(metrics[key], float), (name, key)
@@ -76,7 +78,7 @@ def test_eval_json_has_every_model_and_metric(pipeline):
         assert 0.0 <= low <= metrics["win_rate_vs_base"] <= high <= 1.0
     assert results["base"]["win_rate_vs_base"] == 0.5
     report = (pipeline["eval"] / "report.md").read_text()
-    assert "| grpo |" in report and "winning reply" in report
+    assert "| grpo |" in report and "| dpo |" in report and "real reply" in report
 
 
 def test_grpo_logs_reward_and_length_per_step(pipeline):

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_dir_of, run_stage
 
 STOP_EXIT_CODE = 75  # common.training.STOP_EXIT_CODE (not imported: that would load torch here)

@@ -9,14 +9,21 @@ import sys
 
 import pytest
 import yaml
+from conftest import REPO, run_dir_of, run_stage
 
 from common.cli import parse_config
-from common.config import (ConfigError, EvalConfig, GRPOStageConfig, PairsConfig, RewardStageConfig,
-                           SFTStageConfig, load_run_config)
+from common.config import (
+    ConfigError,
+    EvalConfig,
+    GRPOStageConfig,
+    PairsConfig,
+    RewardStageConfig,
+    SFTStageConfig,
+    load_run_config,
+)
 from common.runs import Run, RunError, create_run_dir
 from common.training import last_checkpoint
 from common.watch import WatchedReward
-from conftest import REPO, run_dir_of, run_stage
 
 SFT_YAML = "configs/tiny/02_train_sft.yaml"
 

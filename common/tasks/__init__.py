@@ -1,8 +1,19 @@
 """Tasks: each module knows how to read its source rows, build prompts and targets, and its extra
-metrics. Stages look a task up by name here and never branch on it."""
-from common.tasks import cmv
+metrics. Stages look a task up by name here and never branch on it.
 
-TASKS = {cmv.NAME: cmv}
+A task module has:
+- `NAME`; `PAIRWISE` (rows carry a winner and a loser: stage 01 balances them for length; without a
+  loser, stage 04_train_dpo generates the rejected reply); `READING` (how stage 05 reads a long input)
+- `rows_from(row, where, config)`: stage 01, one source row -> its examples, or a drop reason;
+  malformed rows raise DataError naming FILE:LINE and the field
+- `input_units(row)`: stage 01, counts of what a row holds besides itself (review: its reviews)
+- `sft_examples(row, tokenizer, config)`: stage 02, prompt/completion examples within max_length
+- `references(row)`: stage 05, the real replies a generated one is compared with
+- `evaluate(premises, replies, results, train_rows)`: stage 05, the task's own metrics
+"""
+from common.tasks import cmv, review
+
+TASKS = {cmv.NAME: cmv, review.NAME: review}
 
 
 def get_task(name: str):

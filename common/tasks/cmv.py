@@ -175,3 +175,39 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
         "source_split": fields["source_split"],
         "scrubbed": scrubbed or [],
     }
+
+
+# --- the task's hooks for the stages (common/tasks/__init__.py) ----------------------------------
+
+PAIRWISE = True  # a row is a winner and a loser: stage 01 balances them for length
+READING = "a post's title and first words (premise_words)"
+
+
+def rows_from(row, where: str, config) -> list[dict] | str:
+    """Stage 01: one source row -> [its pair], or a drop reason."""
+    pair = to_pair(row, where, config.premise_words, config.scrub_giveaways)
+    return pair if isinstance(pair, str) else [pair]
+
+
+def input_units(row) -> dict:
+    """Stage 01's extra accounting: a CMV row is one pair, nothing inside it to count."""
+    return {}
+
+
+def sft_examples(row: dict, tokenizer, config) -> list[dict]:
+    """Stage 02: the winner as one prompt/completion example, the premise cut to max_prompt_tokens and
+    the reply at a sentence end, so that both fit max_length."""
+    from common.data import fit_prompt, fit_reply
+    prompt = fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)
+    return [{"prompt": prompt,
+             "completion": [{"role": "assistant", "content": fit_reply(tokenizer, prompt, row["chosen"], config.max_length)}]}]
+
+
+def references(row: dict) -> list[str]:
+    """Stage 05: the winning reply."""
+    return [row["chosen"]]
+
+
+def evaluate(premises: list[dict], replies: dict, results: dict, train_rows: list[dict]) -> dict:
+    """Stage 05: CMV's metrics are the shared ones (overlap, and the judge's); nothing to add."""
+    return {"baselines": {}, "per_reply": {}, "sections": [], "plots": lambda out_dir: {}}

@@ -292,6 +292,102 @@ def to_examples(row, where: str, review_target: str = "merged"):
              "confidence": r["confidence"]} for r, ref in zip(reviews, common["references"])]
 
 
+# --- the task's hooks for the stages (common/tasks/__init__.py) ----------------------------------
+
+PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-balance, 04 generates rejected
+
+
+def rows_from(row, where: str, config) -> list[dict] | str:
+    """Stage 01: one paper row -> its examples (config.review_target), or a drop reason."""
+    return to_examples(row, where, config.review_target)
+
+
+def input_units(row) -> dict:
+    """Stage 01 counts every input review too: {"n_reviews", "n_rated"} of this row."""
+    return count_reviews(row)
+
+
+def sft_examples(row: dict, tokenizer, config) -> list[dict]:
+    """Stage 02: prompt/completion examples of one paper. `sliding_window`: one example per window of
+    the paper, each with the whole target, windows covering every token of the paper with
+    `window_overlap` tokens shared by neighbours; `whole`: one example, the paper cut to fit. Every
+    example's templated length is at most `max_length`."""
+    from common.data import prompt_length, template_closing_tokens
+    completion = [{"role": "assistant", "content": row["chosen"]}]
+    n_target = len(tokenizer(row["chosen"], add_special_tokens=False)["input_ids"])
+    budget = config.max_length - prompt_length(tokenizer, prompt_for("")) - n_target - \
+        template_closing_tokens(tokenizer, prompt_for("")) - 1
+    if budget <= config.window_overlap:
+        raise DataError(f"paper {row['id']}: max_length={config.max_length} leaves {budget} tokens for the paper "
+                        f"beside its {n_target}-token target (window_overlap={config.window_overlap}): raise max_length")
+    ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
+    spans = windows(len(ids), budget, config.window_overlap) if config.input_strategy == "sliding_window" \
+        else [(0, min(len(ids), budget))]
+    examples = []
+    for start, end in spans:
+        # Decoding and re-encoding a window can merge tokens differently: shrink it until it fits, on
+        # the side its neighbour covers (the last window keeps the paper's end).
+        while True:
+            prompt = prompt_for(tokenizer.decode(ids[start:end]))
+            excess = prompt_length(tokenizer, prompt) + n_target + \
+                template_closing_tokens(tokenizer, prompt) + 1 - config.max_length
+            if excess <= 0 or end - start <= 1:
+                break
+            if end == len(ids):
+                start += excess
+            else:
+                end -= excess
+        examples.append({"prompt": prompt, "completion": completion})
+    return examples
+
+
+READING = "for a paper, its first window: the rest of a long paper is not seen at generation"
+
+
+def references(row: dict) -> list[str]:
+    """Stage 05: every real review of the paper, in the target format."""
+    return row["references"]
+
+
+def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, train_rows: list[dict]) -> dict:
+    """Stage 05's review metrics. Into each model's results: the rating parsed from each generated
+    review against the paper's mean human rating (MAE, RMSE, Pearson) over the parseable ones, the
+    format compliance rate, and the ids of the unparseable (counted and listed, never dropped
+    silently). Beside them: a constant predictor (the train split's mean rating) and one more human
+    reviewer (each reviewer against the mean of the paper's others)."""
+    gold = [float(np.mean(r["human_ratings"])) for r in premises]
+    per_reply, pairs = {}, {}
+    for name, texts in replies.items():
+        parsed = [parse_review(t) for t in texts]
+        ok = [i for i, p in enumerate(parsed) if p["overall"] is not None]
+        rated = rating_metrics([parsed[i]["overall"] for i in ok], [gold[i] for i in ok])
+        rated["n_rated"] = rated.pop("n")  # the model's `n` stays the number of replies
+        results[name].update(
+            format_compliance=len(ok) / len(texts) if texts else None,
+            unparsed=[premises[i]["id"] for i in range(len(texts)) if parsed[i]["overall"] is None], **rated)
+        per_reply[name] = [{"rating": p["overall"], "confidence": p["confidence"], "human_rating": g}
+                           for p, g in zip(parsed, gold)]
+        pairs[name] = [(parsed[i]["overall"], gold[i]) for i in ok]
+    train_mean = float(np.mean([r["rating"] for r in train_rows]))
+    baselines = {"baseline_constant": {**baseline_constant(train_mean, gold), "train_mean": train_mean},
+                 "baseline_human": baseline_human([r["human_ratings"] for r in premises])}
+    rows = ["", "## Ratings", "", "Rating parsed from each generated review (`Overall Quality: <n>`) against the mean "
+            "rating of the paper's reviewers; format compliance = share of reviews whose rating parses.", "",
+            "| predictor | rating MAE | rating RMSE | Pearson r | n rated | format compliance |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in [*((n, results[n]) for n in replies), *baselines.items()]:
+        rows.append(f"| {name} | {_f(r['rating_mae'])} | {_f(r['rating_rmse'])} | {_f(r['rating_pearson'])} | "
+                    f"{r.get('n_rated', r['n'])} | {_f(r.get('format_compliance'))} |")
+
+    def plots(out_dir):
+        from common.report import plot_ratings
+        return plot_ratings(out_dir, pairs)
+    return {"baselines": baselines, "per_reply": per_reply, "sections": rows, "plots": plots}
+
+
+def _f(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 # --- long papers ---------------------------------------------------------------------------------
 
 def windows(n_tokens: int, window_tokens: int, overlap: int) -> list[tuple[int, int]]:

@@ -1,0 +1,90 @@
+"""The paper-review task through the real command lines on the tiny recipe: 01 -> 02 -> 04_train_dpo
+-> 05, every paper and review accounted for, SFT windows within max_length and covering the paper,
+and the rating metrics with both baselines in eval.json."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from conftest import run_dir_of, run_stage
+
+from common.data import load_split
+from common.tasks import review
+
+TINY = "configs/tiny/review"
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_model, tmp_path_factory) -> dict:
+    runs = tmp_path_factory.mktemp("review")
+    common = ["--runs_dir", runs]
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", f"{TINY}/01_build_pairs.yaml", *common))
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", f"{TINY}/02_train_sft.yaml", "--pairs_run", pairs,
+                               *common))
+    dpo = run_dir_of(run_stage("04_train_dpo.py", "--config", f"{TINY}/04_train_dpo.yaml", "--sft_run", sft, *common))
+    proc = run_stage("05_eval.py", "--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--sft_run", sft,
+                     "--policy_runs", dpo, *common)
+    return {"pairs": pairs, "sft": sft, "dpo": dpo, "eval": run_dir_of(proc), "runs": runs}
+
+
+def test_every_paper_and_review_is_accounted_for_and_split_by_paper(chain):
+    metrics = json.loads((chain["pairs"] / "metrics.json").read_text())
+    assert metrics["task"] == "review" and metrics["n_input_rows"] == 400
+    assert metrics["n_rows_used"] + sum(metrics["dropped"].values()) == metrics["n_input_rows"]
+    units = metrics["input_units"]
+    assert units["n_reviews"] + units.get("n_reviews_in_dropped_rows", 0) == 1612
+    papers = {split: {row["group_id"] for row in load_split(chain["pairs"], split)} for split in ("train", "dev", "test")}
+    assert not (papers["train"] & papers["dev"] or papers["train"] & papers["test"] or papers["dev"] & papers["test"])
+    assert sum(map(len, papers.values())) == metrics["n_rows_used"]
+
+
+def test_per_review_targets_are_one_per_review_with_its_own_rating(tmp_path, tiny_model):
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", f"{TINY}/01_build_pairs.yaml",
+                                 "--review_target", "per_review", "--runs_dir", tmp_path))
+    rows = [row for split in ("train", "dev", "test") for row in load_split(pairs, split)]
+    assert len(rows) == 1612
+    for row in rows[:200]:
+        assert review.parse_review(row["chosen"])["overall"] == row["rating"] and row["rating"] in row["human_ratings"]
+
+
+@pytest.mark.parametrize("strategy", ["sliding_window", "whole"])
+def test_sft_examples_fit_max_length_and_windows_cover_the_paper(chain, strategy):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(".cache/models/tiny-llama3")
+    config = SimpleNamespace(max_length=4096, window_overlap=64, input_strategy=strategy)
+    row = load_split(chain["pairs"], "train")[0]
+    examples = review.sft_examples(row, tokenizer, config)
+    for example in examples:
+        ids = tokenizer.apply_chat_template(example["prompt"] + example["completion"], tokenize=True)
+        assert len(ids["input_ids"] if hasattr(ids, "keys") else ids) <= config.max_length
+        assert example["completion"][0]["content"] == row["chosen"]  # the whole target, every window
+    papers = [e["prompt"][0]["content"][len(review.INSTRUCTION):] for e in examples]
+    assert row["paper"].startswith(papers[0][:200])
+    if strategy == "whole":
+        assert len(examples) == 1
+    else:
+        assert len(examples) > 1 and row["paper"].rstrip().endswith(papers[-1].rstrip()[-200:])
+        for before, after in zip(papers, papers[1:]):  # neighbours share text: no token is skipped
+            assert after[:40] in before
+
+
+def test_dpo_rejected_reviews_come_from_the_named_model(chain):
+    manifest = json.loads((chain["dpo"] / "manifest.json").read_text())
+    saved = [json.loads(line) for line in (chain["dpo"] / "rejected.jsonl").read_text().splitlines()]
+    assert manifest["rejected_from"] == "sft" and saved and {s["model"] for s in saved} == {"sft"}
+
+
+def test_eval_has_rating_metrics_and_both_baselines(chain):
+    results = json.loads((chain["eval"] / "eval.json").read_text())
+    assert {"base", "sft", "dpo", "baseline_constant", "baseline_human"} <= set(results)
+    for name in ("base", "sft", "dpo"):
+        r = results[name]
+        for key in ("rating_mae", "rating_rmse", "rating_pearson", "bleu4", "rouge1", "rouge2", "rougeL"):
+            assert key in r, (name, key)
+        assert 0 <= r["format_compliance"] <= 1
+        assert len(r["unparsed"]) == r["n"] - r["n_rated"]  # unparseable reviews are listed, never dropped
+    for baseline in ("baseline_constant", "baseline_human"):
+        assert results[baseline]["rating_mae"] >= 0 and results[baseline]["n"] > 0
+    report = (chain["eval"] / "report.md").read_text()
+    assert "## Ratings" in report and "first window" in report and (chain["eval"] / "rating_scatter.png").is_file()
