@@ -5,7 +5,7 @@ TINY := .cache/models/tiny-llama3
 SMOL := .cache/models/smollm2-135m-instruct
 DEMO_RUNS ?= runs
 
-.PHONY: venv test lint demo clean-cache
+.PHONY: venv test lint demo demo-review clean-cache
 
 # Idempotent: a stamp file records that requirements.txt was installed; it is redone when that changes.
 venv: .venv/.installed
@@ -36,3 +36,7 @@ lint: venv
 
 demo: venv $(SMOL)
 	RUNS_DIR=$(DEMO_RUNS) bash scripts/demo.sh
+
+# The paper-review task on CPU: a few papers, windows sized for the small model (scripts/demo_review.sh).
+demo-review: venv $(SMOL)
+	RUNS_DIR=$(DEMO_RUNS) bash scripts/demo_review.sh

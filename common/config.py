@@ -136,6 +136,8 @@ class PairsConfig(RunArgs):
     max_length_ratio: float | None = arg(None, "drop pairs whose longer reply has more than this times the words", ge=1)
     scrub_giveaways: bool = arg(True, "remove edit notes, delta mentions, bot/moderator boilerplate")
     skip_bad_rows: bool = arg(False, "skip and count malformed rows (dropped.bad_row) instead of stopping")
+    pdf: list[str] = arg(help="review task: PDFs named <paper_id>.pdf, the text of papers that come without one "
+                              "(pypdf: the PDF's text layer, no OCR)", factory=list)
     review_target: Literal["merged", "per_review"] = arg(
         "merged", "review task: one target per paper, ratings averaged over its reviewers (merged), or one "
         "target per official review with its own rating (per_review); docs/review.md")
@@ -146,6 +148,9 @@ class PairsConfig(RunArgs):
                               f"{self.dev_fraction} + {self.test_fraction}", "dev_fraction")
         if not self.data:
             raise ConfigError("field 'data' needs at least one file", "data")
+        for path in self.pdf:
+            if not Path(path).is_file() or Path(path).suffix.lower() != ".pdf":
+                raise ConfigError(f"field 'pdf': {path} is not a .pdf file", "pdf")
 
 
 @dataclass

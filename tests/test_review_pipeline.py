@@ -88,3 +88,22 @@ def test_eval_has_rating_metrics_and_both_baselines(chain):
         assert results[baseline]["rating_mae"] >= 0 and results[baseline]["n"] > 0
     report = (chain["eval"] / "report.md").read_text()
     assert "## Ratings" in report and "first window" in report and (chain["eval"] / "rating_scatter.png").is_file()
+
+
+def test_a_paper_without_text_is_read_from_its_pdf(tmp_path, tiny_model):
+    import gzip
+
+    from test_review_task import _pdf
+    with gzip.open("data/review/neurips2025_papers_reviews.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for _, line in zip(range(40), f)]
+    rows[0]["paper_markdown_main"] = ""  # this paper comes without text; its PDF has it
+    pdf = tmp_path / f"{rows[0]['paper_id']}.pdf"
+    pdf.write_bytes(_pdf(["Attention over long documents in linear time.", "We prove a bound."]))
+    data = tmp_path / "papers.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--config", f"{TINY}/01_build_pairs.yaml", "--data", data, "--runs_dir", tmp_path / "runs"]
+    without = run_stage("01_build_pairs.py", *common, "--run_name", "no_pdf")
+    assert json.loads((run_dir_of(without) / "metrics.json").read_text())["dropped"] == {"no_paper_text": 1}
+    pairs = run_dir_of(run_stage("01_build_pairs.py", *common, "--pdf", pdf))
+    (row,) = [r for s in ("train", "dev", "test") for r in load_split(pairs, s) if r["group_id"] == rows[0]["paper_id"]]
+    assert "Attention over long documents in linear time." in row["paper"] and "We prove a bound." in row["paper"]

@@ -12,8 +12,10 @@ stages import it before torch.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -298,8 +300,19 @@ PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-bala
 
 
 def rows_from(row, where: str, config) -> list[dict] | str:
-    """Stage 01: one paper row -> its examples (config.review_target), or a drop reason."""
+    """Stage 01: one paper row -> its examples (config.review_target), or a drop reason. A paper
+    without text takes it from its PDF when `--pdf` names one (`<paper_id>.pdf`)."""
+    pdf = _pdfs(tuple(config.pdf)).get(row.get("paper_id")) if isinstance(row, dict) else None
+    if pdf is not None and not str(row.get("paper_markdown_main") or "").strip():
+        from common.pdf import read_pdf_text
+        row = {**row, "paper_markdown_main": read_pdf_text(pdf)}
     return to_examples(row, where, config.review_target)
+
+
+@functools.lru_cache(maxsize=4)
+def _pdfs(paths: tuple[str, ...]) -> dict:
+    """paper_id (the file's stem) -> PDF path."""
+    return {Path(p).stem: p for p in paths}
 
 
 def input_units(row) -> dict:
