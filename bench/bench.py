@@ -63,6 +63,9 @@ from common.tasks import cmv  # noqa: E402
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
 GIB = 2 ** 30
+REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_dpo / review_gen: a paper's first window, one review
+REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,192 and 20,480 tokens
+REVIEW_DPO_TARGET = 24.0  # GiB
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
                  eos_token_id=128009, max_position_embeddings=131072, tie_word_embeddings=False)
@@ -238,6 +241,7 @@ class Bench:
         self.prompt_lengths = scale(self.lengths["prompts"], f)
         self.max_prompt, self.max_length = int(512 * f), int(768 * f)
         self.steps = 2 if self.tiny else args.steps
+        self.review_steps = 2 if self.tiny else getattr(args, "review_steps", 4)  # the first is not timed
         self.sft_mod, self.grpo_mod = stage("02_train_sft.py"), stage("04_train_grpo.py")
         self.model_path = str(TINY_MODEL if self.tiny else args.model)
         self.other_resident = 0.0  # GiB of another stage's model kept on the GPU meanwhile
@@ -384,6 +388,193 @@ class Bench:
                      "seconds": round(seconds, 3), "new_tokens_per_s": round(n * new / seconds, 1),
                      "peak_gib": peak_gib()})
 
+    # review shapes (the paper-review task) ---------------------------------------------------------
+    def review_sft(self, recipe, ours):
+        """One SFT sequence of the recipe's max_length (a paper window or the whole paper + a review):
+        02's build_trainer with the review task and the recipe's levers, or TRL's SFTTrainer defaults."""
+        import trl
+
+        from common.tasks import review
+        base = self.config(SFTStageConfig, "review/02_train_sft.yaml", recipe)
+        n_full = base.max_length
+        over = {"max_steps": self.review_steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
+        if self.tiny:  # lengths / 8 (CPU)
+            over.update(max_length=n_full // 8, max_prompt_tokens=base.max_prompt_tokens // 8,
+                        window_overlap=base.window_overlap // 8, mlp_chunk_tokens=base.mlp_chunk_tokens // 8)
+        cfg = self.config(SFTStageConfig, "review/02_train_sft.yaml", recipe, **over)
+        reply = int(REVIEW_REPLY * self.f)
+        # A paper longer than the window: each example is one full window (sliding_window) or the paper
+        # cut to fit (whole), with the whole review: max_length tokens, as real long papers give.
+        rows = [{"id": f"paper{i}", "paper": Words.text(cfg.max_length), "chosen": Words.text(reply - 1)}
+                for i in range(self.review_steps)]
+        fresh_adapter(self.policy)
+        run = self.run_dir(f"review_sft_{n_full}", task="review")
+        try:
+            if ours:
+                trainer = self.sft_mod.build_trainer(cfg, run, self.policy, self.tokenizer, rows, [])
+            else:  # TRL's defaults, same model and data; max_length so that nothing is cut, batch 1
+                args = trl.SFTConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
+                                     max_steps=self.review_steps, per_device_train_batch_size=1, report_to="none",
+                                     save_strategy="no", disable_tqdm=True,
+                                     **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
+                                         train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, review))
+            r = train_run(trainer, 1, ours)
+        finally:
+            if ours:
+                _remove_offload_hooks(self.policy)
+                _remove_mlp_chunking(self.policy)
+        target = REVIEW_SFT_TARGETS[recipe]
+        self.record({"stage": "review_sft", "name": f"review_sft_{n_full}_{'ours' if ours else 'trl'}",
+                     "setting": "ours" if ours else "trl", "batches": str(n_full), "recipe": recipe,
+                     "max_length": cfg.max_length, "input_strategy": cfg.input_strategy,
+                     "sequence_tokens": r["real_tokens"] // max(r["steps_timed"], 1), "grad_accum": 1,
+                     "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
+                     "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
+                     "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
+                     "target_met": None if r["peak_gib"] is None else r["peak_gib"] < target})
+        del trainer
+
+    def review_dpo(self, ours):
+        """A DPO step on one pair: an 8,192-token prompt with 1,024-token chosen and rejected replies.
+        Ours: 04_train_dpo's preference_dataset and build_trainer with the llama3-8b review recipe
+        (max_length 9,216 so nothing is cut); TRL: DPOTrainer's defaults on the same model and data.
+        Both get the policy as a PeftModel, so TRL adds its frozen `ref` copy of the adapter."""
+        import trl
+
+        from common.data import fit_prompt, template_closing_tokens
+        dpo = stage("04_train_dpo.py")
+        P, R = int(REVIEW_PROMPT * self.f), int(REVIEW_REPLY * self.f)
+        base = self.config(DPOStageConfig, "review/04_train_dpo.yaml")
+        over = {"max_steps": self.review_steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+                "max_prompt_tokens": P, "max_length": P + R}
+        if self.tiny:
+            over["mlp_chunk_tokens"] = base.mlp_chunk_tokens // 8
+        cfg = self.config(DPOStageConfig, "review/04_train_dpo.yaml", **over)
+        prompt = fit_prompt(self.tokenizer, self.words.prompt(P), cfg.max_prompt_tokens)
+        text = Words.text(R - template_closing_tokens(self.tokenizer, prompt))  # + end of turn: R tokens
+        rows = [{"id": f"paper{i}", "chosen": text, "rejected": text} for i in range(self.review_steps)]
+        data = dpo.preference_dataset(rows, [prompt] * len(rows), [None] * len(rows), self.tokenizer, cfg)
+        dtypes = {name: p.dtype for name, p in self.policy.named_parameters() if "lora_" in name}
+        fresh_adapter(self.policy)
+        run = self.run_dir("review_dpo", task="review")
+        try:
+            if ours:
+                trainer = dpo.build_trainer(cfg, run, self.policy, self.tokenizer, data)
+            else:
+                args = trl.DPOConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
+                                     max_steps=self.review_steps, per_device_train_batch_size=1, report_to="none",
+                                     save_strategy="no", disable_tqdm=True,
+                                     **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                trainer = trl.DPOTrainer(model=self.policy, args=args, train_dataset=data,
+                                         processing_class=self.tokenizer)
+            ref_adapter = "ref" in self.policy.peft_config
+            r = train_run(trainer, 1, ours)
+            del trainer
+        finally:  # the next trainer gets the model as it was: no `ref` adapter, LoRA in its own dtype
+            if "ref" in self.policy.peft_config:
+                self.policy.delete_adapter("ref")
+            self.policy.set_adapter("default")
+            for name, p in self.policy.named_parameters():
+                if name in dtypes and p.dtype != dtypes[name]:
+                    p.data = p.data.to(dtypes[name])
+            if ours:
+                _remove_offload_hooks(self.policy)
+                _remove_mlp_chunking(self.policy)
+        steps = max(r["steps_timed"], 1)
+        self.record({"stage": "review_dpo", "name": f"review_dpo_{'ours' if ours else 'trl'}",
+                     "setting": "ours" if ours else "trl", "batches": f"{P}+2x{R}", "recipe": "llama3-8b",
+                     "prompt_tokens": P, "reply_tokens": R, "max_length": cfg.max_length,
+                     "sequence_tokens": r["real_tokens"] // (2 * steps), "ref_adapter": ref_adapter,
+                     "seconds_per_step": round(r["seconds"] / steps, 3), "grad_accum": 1, "checkpointing": True,
+                     "offload_activations": bool(cfg.offload_activations and ours),
+                     "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
+                     "liger": bool(cfg.liger_kernel and ours), "target_gib": REVIEW_DPO_TARGET, **r,
+                     "target_met": None if r["peak_gib"] is None else r["peak_gib"] < REVIEW_DPO_TARGET})
+
+    def review_gen(self, reserve_s=0.0):
+        """Greedy review generation with the pipeline's decoder (common.generation.decode, as stage 05
+        and 04_train_dpo's rejected replies run it): an 8,192-token prompt and 1,024 new tokens at
+        batch 1, 2, 4, ..., up to the first out-of-memory; new tokens/s (prefill included) and peak.
+        `reserve_s`: seconds kept for the rows that follow."""
+        import common.generation as gen
+        from common.data import token_ids
+        P, new = (int(REVIEW_PROMPT * self.f), 16) if self.tiny else (REVIEW_PROMPT, REVIEW_REPLY)
+        batches = [int(b) for b in (self.args.review_gen_batches if not self.tiny else "1,2,4").split(",")]
+        ids = token_ids(self.tokenizer.apply_chat_template(self.words.prompt(P), add_generation_prompt=True,
+                                                           tokenize=True))
+        fresh_adapter(self.policy)
+        self.policy.eval()
+        eos, pad = gen.eos_ids(self.policy, self.tokenizer), self.tokenizer.pad_token_id
+        capture, marks = gen._capture, {}
+
+        def timed_capture(step, state):  # decode calls it once the prefill is done (CUDA graphs only)
+            sync()
+            marks["prefill_done"] = time.perf_counter()
+            return capture(step, state)
+        gen._capture = timed_capture
+        done = []
+        try:
+            gen.decode(self.policy, [ids[:64]] * 2, 8, eos, pad, temperature=0.0)  # warm-up: kernels, allocator
+            for b in batches:
+                if done:  # prefill grows with the batch, a decode step much less
+                    last = done[-1]
+                    estimate = 2 * (last["prefill_s"] or 0) + 1.5 * (last["seconds"] - (last["prefill_s"] or 0))
+                    if self.left() - reserve_s < estimate:
+                        self.results["errors"].append({"name": f"review gen batch {b}", "error":
+                                                       f"skipped: {self.left():.0f} s left, {reserve_s:.0f} s kept "
+                                                       f"for later rows, about {estimate:.0f} s needed"})
+                        print(f"SKIP review gen batch {b}", flush=True)
+                        break
+                mem_reset()
+                marks.clear()
+                oom, out = None, None
+                sync()
+                t = time.perf_counter()
+                try:
+                    out = gen.decode(self.policy, [ids] * b, new, eos, pad, temperature=0.0)
+                    sync()
+                except torch.OutOfMemoryError as err:
+                    oom = f"{type(err).__name__}: {err}"[:300]
+                seconds = time.perf_counter() - t
+                peak = peak_gib()
+                if oom:
+                    out = None
+                    mem_reset()  # free what the failed batch held before anything else runs
+                    self.record({"stage": "review_gen", "name": f"review_gen_b{b}", "setting": "ours", "batch": b,
+                                 "prompt_tokens": len(ids), "new_tokens_each": new, "oom": True, "error": oom,
+                                 "peak_gib": peak})
+                    break
+                n_new = sum(len(o) for o in out)
+                prefill = marks["prefill_done"] - t if "prefill_done" in marks else None
+                row = {"stage": "review_gen", "name": f"review_gen_b{b}", "setting": "ours", "batch": b,
+                       "backend": "static+cuda-graph" if "prefill_done" in marks else "static, eager steps",
+                       "prompt_tokens": len(ids), "new_tokens_each": new, "new_tokens": n_new,
+                       "stopped_early": sum(len(o) < new for o in out), "seconds": round(seconds, 3),
+                       "prefill_s": None if prefill is None else round(prefill, 3),
+                       "new_tokens_per_s": round(n_new / seconds, 1),
+                       "decode_ms_per_step": None if prefill is None else
+                       round(1000 * (seconds - prefill) / max(new - 1, 1), 2),
+                       "peak_gib": peak, "oom": False}
+                self.record(row)
+                done.append(row)
+                del out
+        finally:
+            gen._capture = capture
+            self.policy.train()
+        if done:
+            best = max(done, key=lambda r: r["new_tokens_per_s"])
+            small = [r for r in done if r["peak_gib"] is not None and r["peak_gib"] < REVIEW_DPO_TARGET]
+            self.results["review_gen_best"] = {
+                "batch": best["batch"], "new_tokens_per_s": best["new_tokens_per_s"], "peak_gib": best["peak_gib"],
+                "largest_batch_run": done[-1]["batch"],
+                "oom_at": next((r["batch"] for r in self.results["rows"] if r["stage"] == "review_gen" and r.get("oom")),
+                               None),
+                "best_under_24_gib": None if not small else {
+                    k: max(small, key=lambda r: r["new_tokens_per_s"])[k] for k in ("batch", "new_tokens_per_s", "peak_gib")}}
+            self.save()
+            print("review gen best", json.dumps(self.results["review_gen_best"]), flush=True)
+
     # reward ----------------------------------------------------------------------------------------
     def reward(self, name, kind, lengths, ours, **over):
         import trl
@@ -509,6 +700,22 @@ class Bench:
         uniform_sft = [[self.max_prompt, L - self.max_prompt]] * (self.steps * 16)
         uniform_rw = [[self.max_prompt, L - self.max_prompt, L - self.max_prompt]] * (self.steps * 16)
         g = self.guarded
+        # The review shapes: TRL's defaults first (Liger, in the recipes, patches the layers for good), then
+        # generation (no Liger, as stage 05 runs it), then the pipeline's training rows.
+        if "review_sft" in sections:
+            for recipe in REVIEW_SFT_TARGETS:
+                g(f"review sft {recipe} trl", lambda r=recipe: self.review_sft(r, False), 30)
+        if "review_dpo" in sections:
+            g("review dpo trl", lambda: self.review_dpo(False), 30)
+        if "review_gen" in sections:
+            reserve = 0.0 if self.tiny else (120.0 if "review_sft" in sections else 0.0) + \
+                (60.0 if "review_dpo" in sections else 0.0)
+            g("review gen", lambda: self.review_gen(reserve), 40)
+        if "review_sft" in sections:
+            for recipe in REVIEW_SFT_TARGETS:
+                g(f"review sft {recipe} ours", lambda r=recipe: self.review_sft(r, True), 30)
+        if "review_dpo" in sections:
+            g("review dpo ours", lambda: self.review_dpo(True), 30)
         if "sft" in sections:
             if "uniform" in self.args.batches:
                 g("sft uniform trl", lambda: self.sft("sft_uniform_trl", "uniform", uniform_sft, False), 40)
@@ -612,11 +819,12 @@ def meta(args) -> dict:
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "host": platform.node(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny}
-    try:
-        import bitsandbytes
-        info["bitsandbytes"] = bitsandbytes.__version__
-    except Exception:
-        pass
+    from importlib.metadata import PackageNotFoundError, version
+    for name in ("bitsandbytes", "datasets", "accelerate", "liger-kernel"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count_visible"] = torch.cuda.device_count()
@@ -639,11 +847,15 @@ def table(results) -> str:
             key = "projected_1000_premises_min"
         elif r["stage"] == "eval":
             value, key = f"{r['new_tokens_per_s']} new tok/s ({r['sequences']} x {r['new_tokens_each']})", "new_tokens_per_s"
+        elif r["stage"] == "review_gen":
+            value = "out of memory" if r.get("oom") else \
+                f"{r['new_tokens_per_s']} new tok/s ({r['batch']} x {r['prompt_tokens']} -> {r['new_tokens_each']})"
+            key = "new_tokens_per_s"
         else:
             value, key = f"{r['tokens_per_s']} real tok/s (real share {r['real_share']})", "tokens_per_s"
         ref = base.get((r["stage"], r.get("batches")))
         ratio = ""
-        if ref is not None and ref is not r and ref.get(key):
+        if ref is not None and ref is not r and ref.get(key) and r.get(key):
             x = ref[key] / r[key] if key == "projected_1000_premises_min" else r[key] / ref[key]
             ratio = f"{x:.2f}x faster"
             if r.get("peak_gib") is not None and ref.get("peak_gib"):
@@ -663,15 +875,21 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="optimiser steps per training measurement")
     ap.add_argument("--batches", default="uniform,real", help="which SFT/reward batch kinds to measure")
     ap.add_argument("--long_tokens", type=int, default=32768)
+    ap.add_argument("--review_steps", type=int, default=4, help="review_sft / review_dpo: optimiser steps "
+                    "of one sequence (one pair) each; the first is not timed")
+    ap.add_argument("--review_gen_batches", default="1,2,4,8,16", help="review_gen: batch sizes, in order, "
+                    "up to the first out-of-memory")
     ap.add_argument("--deadline", type=float, default=540, help="seconds: later measurements are skipped")
     ap.add_argument("--make_lengths", action="store_true", help="rewrite bench/cmv_lengths.json and exit")
     args = ap.parse_args(argv)
     if args.make_lengths:
         make_lengths()
         return
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("no GPU: use --tiny for the CPU smoke run")
+    from common.local_models import ensure
+    ensure("tiny", TINY_MODEL)  # the stand-in tokenizer (and --tiny's model): built from the bundled data if missing
     if not args.tiny:
-        if not torch.cuda.is_available():
-            sys.exit("no GPU: use --tiny for the CPU smoke run")
         build_random_model(Path(args.model))
     bench = Bench(args)
     bench.results["meta"]["build_and_setup_s"] = round(time.time() - bench.start, 1)

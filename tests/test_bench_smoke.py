@@ -133,3 +133,46 @@ def test_one_sft_measurement_through_the_pipeline(tiny_model, tmp_path):
     assert row["setting"] == "ours" and row["group_by_length"] and row["peak_gib"] is None
     assert row["real_tokens"] > 0 and row["tokens_per_s"] > 0 and row["real_share"] > 0.9
     assert "sft_real_ours" in bench.table(b.results)
+
+
+def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
+    """`bench.py --tiny --sections review_sft,review_dpo,review_gen` (lengths / 8): TRL's defaults and the
+    pipeline's recipes side by side for SFT at both review lengths and for DPO, and the decoder at each
+    batch. GPU-only and not run here: peak memory (None on the CPU, so no target is judged), Liger, CUDA
+    graphs and out-of-memory."""
+    args = SimpleNamespace(tiny=True, out=str(tmp_path / "out"), work=str(tmp_path / "work"), deadline=600,
+                           steps=2, model=None, long_tokens=512, batches="real", review_steps=2,
+                           review_gen_batches="1,2,4")
+    b = bench.Bench(args)
+    b.run(["review_sft", "review_dpo", "review_gen"])
+    assert b.results["errors"] == []
+    rows = {r["name"]: r for r in b.results["rows"]}
+    assert set(rows) == {"review_sft_8192_trl", "review_sft_20480_trl", "review_dpo_trl", "review_gen_b1",
+                         "review_gen_b2", "review_gen_b4", "review_sft_8192_ours", "review_sft_20480_ours",
+                         "review_dpo_ours"}
+    # SFT: one sequence of the recipe's max_length (/ 8) a step, the recipe's levers on ours only
+    for n, recipe in ((8192, "llama3-8b"), (20480, "llama31-8b")):
+        ours, trl = rows[f"review_sft_{n}_ours"], rows[f"review_sft_{n}_trl"]
+        assert ours["recipe"] == recipe and ours["max_length"] == n // 8
+        assert n // 8 - 2 <= ours["sequence_tokens"] == trl["sequence_tokens"] <= n // 8
+        assert ours["tokens_per_s"] > 0 and trl["tokens_per_s"] > 0 and ours["peak_gib"] is None
+        assert not trl["offload_activations"] and not trl["liger"]
+    assert rows["review_sft_20480_ours"]["offload_activations"] and rows["review_sft_20480_ours"]["mlp_chunk_tokens"]
+    assert rows["review_sft_20480_ours"]["input_strategy"] == "whole"
+    # DPO: prompt 1,024 + reply 128 (8,192 + 1,024 / 8) on both sides, nothing cut; TRL's `ref` adapter copy
+    for name in ("review_dpo_ours", "review_dpo_trl"):
+        r = rows[name]
+        assert r["ref_adapter"] and r["max_length"] == 1152 and 1150 <= r["sequence_tokens"] <= 1152
+        assert r["real_tokens"] == 2 * r["sequence_tokens"] * r["steps_timed"]
+    # ...and the model is handed back as it was: no `ref` adapter, the LoRA weights trainable, one dtype
+    # (TRL's trainers cast a 4-bit model's LoRA weights to bf16; DPO's cast is undone, the SFT rows' stays)
+    assert list(b.policy.peft_config) == ["default"]
+    lora = [p for n, p in b.policy.named_parameters() if "lora_" in n]
+    assert lora and all(p.requires_grad for p in lora) and len({p.dtype for p in lora}) == 1
+    # generation: every batch, full-length replies, the best batch named
+    for batch in (1, 2, 4):
+        r = rows[f"review_gen_b{batch}"]
+        assert r["prompt_tokens"] == 1024 and r["new_tokens"] == batch * 16 and not r["oom"]
+    assert b.results["review_gen_best"]["batch"] in (1, 2, 4)
+    text = bench.table(b.results)
+    assert "review_dpo_ours" in text and "review_gen_b4" in text and "x faster" in text
