@@ -56,7 +56,7 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
 
     # 2. Data: the winners of the train split (dev for a held-out loss).
     train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
-    log.info("SFT on %d winners, dev loss on %d", len(train_rows), len(dev_rows))
+    log.info("SFT on %d train rows, dev loss on %d", len(train_rows), len(dev_rows))
 
     # 3. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.
     tokenizer = load_tokenizer(config)

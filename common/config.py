@@ -154,17 +154,24 @@ class PairsConfig(RunArgs):
 
 
 @dataclass
-class PairsInputArgs:
-    """The pairs a training stage reads, and the token budget of one example."""
-    pairs_run: str | None = arg(None, "a finished Pairs run (required)")
-    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
+class TokenBudgetArgs:
+    """The token budget of one training example."""
+    max_prompt_tokens: int = arg(512, "the prompt is cut to fit this (a paper: its head, the first window)", ge=1)
     max_length: int = arg(768, "prompt + reply tokens; the reply is cut at a sentence end to fit", ge=2)
 
     def check(self):
-        require(self, "pairs_run")
         if self.max_prompt_tokens >= self.max_length:
             raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_length "
                               f"({self.max_length}): no room is left for the reply", "max_prompt_tokens")
+
+
+@dataclass
+class PairsInputArgs(TokenBudgetArgs):
+    """The pairs a training stage reads."""
+    pairs_run: str | None = arg(None, "a finished Pairs run (required)")
+
+    def check(self):
+        require(self, "pairs_run")
 
 
 @dataclass
@@ -235,7 +242,7 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
 
 
 @dataclass
-class DPOStageConfig(RunArgs, ModelArgs, TrainArgs):
+class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs):
     """Stage 04 (preference): DPO or ORPO from the SFT adapter, on either task."""
     STAGE: ClassVar[str] = "DPO"  # ORPO runs are named ..._ORPO_RunN
 
@@ -243,8 +250,6 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs):
     loss: Literal["dpo", "orpo"] = arg("dpo", "dpo: TRL's DPOTrainer, the reference = the SFT adapter frozen on "
                                        "the same base; orpo: trl.experimental.orpo (no reference)")
     beta: float = arg(0.1, "DPO's beta (strength of the reference); ORPO's lambda", gt=0)
-    max_prompt_tokens: int = arg(512, "the prompt is cut to this (review: the paper's first window)", ge=1)
-    max_length: int = arg(768, "prompt + reply tokens; replies are cut at a sentence end to fit", ge=2)
     max_pairs: int | None = arg(None, "use only the first N preference pairs", ge=1)
     rejected_from: Literal["base", "sft"] = arg(
         "sft", "review task: the rejected review is the pipeline's own generation, by the untrained base or "
@@ -258,9 +263,6 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs):
 
     def check(self):
         require(self, "sft_run")
-        if self.max_prompt_tokens >= self.max_length:
-            raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_length "
-                              f"({self.max_length}): no room is left for the reply", "max_prompt_tokens")
 
 
 @dataclass

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Submit the whole pipeline as a chain of Slurm jobs:
-#   01 pairs -> 02 SFT, 03 reward (side by side) -> 04 GRPO -> 05 eval
+#   01 pairs -> 02 SFT, 03 reward (side by side) -> 04 GRPO or DPO -> 05 eval
 #
-#   slurm/submit_pipeline.sh [--recipe configs/llama3-8b] [--runs_dir runs]
+#   slurm/submit_pipeline.sh [--recipe configs/llama3-8b] [--preference grpo|dpo] [--runs_dir runs]
 #       [--sbatch "OPTS"] [--sbatch-NN "OPTS"] [--args "ARGS"] [--args-NN "ARGS"]
 #
-#   --recipe DIR      the stage configs (DIR/0N_<stage>.yaml); default configs/llama3-8b
+#   --recipe DIR      the stage configs (DIR/0N_<stage>.yaml); default configs/llama3-8b; the review
+#                     task: configs/llama3-8b/review (with --preference dpo; it has no judge, no 03)
+#   --preference P    stage 04: grpo (04_train_grpo, needs 03's judge) or dpo (04_train_dpo, from 02
+#                     alone); default grpo. 03 is submitted when the recipe has 03_train_reward.yaml.
 #   --runs_dir DIR    where the run directories go; default runs
 #   --sbatch "OPTS"   extra sbatch options for every job (e.g. "--account=abc --partition=gpu");
 #                     --sbatch-02 "OPTS" for one stage only (e.g. "--gpus-per-node=2 --time=8:00:00")
@@ -20,12 +23,13 @@
 # Job output: RUNS_DIR/slurm/<run name>-<job id>.log, copied into the run directory at the end.
 set -euo pipefail
 
-recipe=configs/llama3-8b runs_dir=runs
+recipe=configs/llama3-8b runs_dir=runs preference=grpo
 common_sbatch=() common_args=()
 declare -A stage_sbatch=() stage_args=()
 while (( $# )); do
   case $1 in
     --recipe) recipe=$2 ;;
+    --preference) preference=$2 ;;
     --runs_dir) runs_dir=$2 ;;
     --sbatch) read -ra common_sbatch <<< "$2" ;;
     --args) read -ra common_args <<< "$2" ;;
@@ -43,12 +47,21 @@ mkdir -p "$runs_dir"
 runs_dir=$(cd "$runs_dir" && pwd)  # the jobs run in the repository root: make it absolute
 cd "$root"
 command -v sbatch >/dev/null || { echo "submit_pipeline.sh: sbatch not found: not on a Slurm login node?" >&2; exit 2; }
-for n in 01_build_pairs 02_train_sft 03_train_reward 04_train_grpo 05_eval; do
+case $preference in
+  grpo) stage04=04_train_grpo stage04_name=GRPO ;;
+  dpo) stage04=04_train_dpo stage04_name=DPO ;;
+  *) echo "submit_pipeline.sh: --preference must be grpo or dpo, got '$preference'" >&2; exit 2 ;;
+esac
+judge=0
+[[ -f $recipe/03_train_reward.yaml ]] && judge=1
+(( judge )) || [[ $preference == dpo ]] \
+  || { echo "submit_pipeline.sh: --preference grpo needs $recipe/03_train_reward.yaml (its judge)" >&2; exit 2; }
+for n in 01_build_pairs 02_train_sft $stage04 05_eval; do
   [[ -f $recipe/$n.yaml ]] || { echo "submit_pipeline.sh: $recipe/$n.yaml missing" >&2; exit 2; }
 done
 
 declare -A name job
-for pair in 01:Pairs 02:SFT 03:Reward 04:GRPO 05:Eval; do
+for pair in 01:Pairs 02:SFT 03:Reward 04:$stage04_name 05:Eval; do
   name[${pair%%:*}]=$(slurm/run_name.sh "${pair#*:}" "$runs_dir")
 done
 
@@ -74,17 +87,27 @@ submit() {  # submit NN SCRIPT DEPENDENCY STAGE_ARGS...: prints the job id
 r=$runs_dir
 job[01]=$(submit 01 01_build_pairs "")
 job[02]=$(submit 02 02_train_sft "${job[01]}" --pairs_run "$r/${name[01]}")
-job[03]=$(submit 03 03_train_reward "${job[01]}" --pairs_run "$r/${name[01]}")
-job[04]=$(submit 04 04_train_grpo "${job[02]}:${job[03]}" --sft_run "$r/${name[02]}" --reward_run "$r/${name[03]}")
-job[05]=$(submit 05 05_eval "${job[01]}:${job[02]}:${job[03]}:${job[04]}" --pairs_run "$r/${name[01]}" \
-          --reward_run "$r/${name[03]}" --sft_run "$r/${name[02]}" --policy_runs "$r/${name[04]}")
+judge_args=() judge_dep=""
+if (( judge )); then
+  job[03]=$(submit 03 03_train_reward "${job[01]}" --pairs_run "$r/${name[01]}")
+  judge_args=(--reward_run "$r/${name[03]}") judge_dep=":${job[03]}"
+fi
+if [[ $preference == grpo ]]; then
+  job[04]=$(submit 04 04_train_grpo "${job[02]}$judge_dep" --sft_run "$r/${name[02]}" "${judge_args[@]}")
+else
+  job[04]=$(submit 04 04_train_dpo "${job[02]}" --sft_run "$r/${name[02]}")
+fi
+job[05]=$(submit 05 05_eval "${job[01]}:${job[02]}$judge_dep:${job[04]}" --pairs_run "$r/${name[01]}" \
+          "${judge_args[@]}" --sft_run "$r/${name[02]}" --policy_runs "$r/${name[04]}")
 
-echo "submitted the pipeline ($recipe) into $runs_dir:"
-printf '  %-8s %-22s %s\n' job "run directory" "starts after"
-printf '  %-8s %-22s %s\n' "${job[01]}" "${name[01]}" "-" "${job[02]}" "${name[02]}" "${job[01]}" \
-  "${job[03]}" "${name[03]}" "${job[01]}" "${job[04]}" "${name[04]}" "${job[02]} ${job[03]}" \
-  "${job[05]}" "${name[05]}" "${job[04]}"
+stages=(01 02 03 04 05)
+(( judge )) || stages=(01 02 04 05)
+ids=()
+for nn in "${stages[@]}"; do ids+=("${job[$nn]}"); done
+echo "submitted the pipeline ($recipe, $preference) into $runs_dir:"
+printf '  %-8s %s\n' job "run directory"
+for nn in "${stages[@]}"; do printf '  %-8s %s\n' "${job[$nn]}" "${name[$nn]}"; done
 echo "W&B group: ${name[01]} (every stage of this chain)"
-echo "watch:  squeue -j ${job[01]},${job[02]},${job[03]},${job[04]},${job[05]}"
+echo "watch:  squeue -j $(IFS=,; echo "${ids[*]}")"
 echo "logs:   $runs_dir/slurm/<run name>-<job>.log; report: $runs_dir/${name[05]}/report.md"
-echo "jobs: ${job[01]} ${job[02]} ${job[03]} ${job[04]} ${job[05]}"
+echo "jobs: ${ids[*]}"

@@ -66,8 +66,8 @@ def run_dirs(runs: Path) -> dict[str, Path]:
     return dict(zip(stages, dirs))
 
 
-def submit_pipeline(runs: Path, *extra: str) -> list[str]:
-    proc = subprocess.run(["bash", "slurm/submit_pipeline.sh", "--recipe", "configs/tiny", "--runs_dir", str(runs),
+def submit_pipeline(runs: Path, *extra: str, recipe: str = "configs/tiny") -> list[str]:
+    proc = subprocess.run(["bash", "slurm/submit_pipeline.sh", "--recipe", recipe, "--runs_dir", str(runs),
                            "--sbatch", " ".join(SBATCH_TEST), *extra], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     jobs = [line for line in proc.stdout.splitlines() if line.startswith("jobs: ")]
@@ -97,6 +97,19 @@ def test_pipeline_chain_finishes_every_run(tmp_path, tiny_model):
     assert Path(grpo["sft_run"]["path"]) == dirs["SFT"].resolve()
     assert Path(grpo["reward_run"]["path"]) == dirs["Reward"].resolve()
     assert (dirs["Eval"] / "report.md").is_file()
+
+
+@needs_slurm
+def test_review_chain_with_dpo_finishes_every_run(tmp_path, tiny_model):
+    runs = tmp_path / "runs"
+    jobs = submit_pipeline(runs, "--preference", "dpo", recipe="configs/tiny/review")
+    infos = wait_jobs(jobs, runs / "slurm")
+    states = {j: i["JobState"] for j, i in infos.items()}
+    assert set(states.values()) == {"COMPLETED"}, f"{states}\n{tail_logs(runs / 'slurm')}"
+    dirs = run_dirs(runs)
+    assert sorted(dirs) == ["DPO", "Eval", "Pairs", "SFT"]  # the review task has no judge
+    results = json.loads((dirs["Eval"] / "eval.json").read_text())
+    assert {"base", "sft", "dpo", "baseline_constant", "baseline_human"} <= set(results)
 
 
 @needs_slurm
