@@ -84,6 +84,8 @@ class Run:
         self.stage, self.config = stage, config
         self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
         self.pairs_run, self.task = _common_lineage(self.inputs, inputs or {})
+        if self.pairs_run and "pairs_run" not in self.inputs:  # inherited (04): it must be unchanged too
+            check_input("pairs_run", self.pairs_run)
         if base is not None:
             _lock_base(self.inputs, base)
         self.is_main = is_main_process()

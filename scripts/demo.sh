@@ -1,18 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the five stages on a slice of the bundled ChangeMyView data, with the `smol` recipe
 # (SmolLM2-135M-Instruct in 4-bit NF4) on the CPU. Prints the path of the eval report at the end.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-RUNS_DIR=${RUNS_DIR:-runs}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-start=$(date +%s)
-
-stage() {  # run one stage, echo its log to stderr, return its run directory
-  local out
-  out=$("$PY" "$@" --runs_dir "$RUNS_DIR" | tee /dev/stderr) || exit 1
-  grep '^run_dir: ' <<<"$out" | tail -1 | cut -d' ' -f2-
-}
+source "$(dirname "$0")/demo_lib.sh"
 
 pairs=$(stage 01_build_pairs.py --config configs/smol/01_build_pairs.yaml)
 sft=$(stage 02_train_sft.py --config configs/smol/02_train_sft.yaml --pairs_run "$pairs")
