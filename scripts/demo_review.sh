@@ -3,18 +3,7 @@
 # 4-bit NF4): 01 (every paper and review of the bundled file) -> 02 (SFT on the windows of a few
 # papers) -> 04_train_dpo (DPO, rejected reviews written by the SFT model) -> 05 (held-out papers:
 # ratings against the reviewers, both baselines, BLEU-4/ROUGE). Prints the eval report's path.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-RUNS_DIR=${RUNS_DIR:-runs}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-start=$(date +%s)
-
-stage() {  # run one stage, echo its log to stderr, return its run directory
-  local out
-  out=$("$PY" "$@" --runs_dir "$RUNS_DIR" | tee /dev/stderr) || exit 1
-  grep '^run_dir: ' <<<"$out" | tail -1 | cut -d' ' -f2-
-}
+source "$(dirname "$0")/demo_lib.sh"
 
 pairs=$(stage 01_build_pairs.py --config configs/smol/review/01_build_pairs.yaml)
 sft=$(stage 02_train_sft.py --config configs/smol/review/02_train_sft.yaml --pairs_run "$pairs")
