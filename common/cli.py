@@ -52,7 +52,7 @@ def parse_config(cls, argv: list[str] | None = None):
         values[key] = overrides[key] = _coerce(key, _parse_raw(raws, hints[key]), hints[key], "command line")
         sources[key] = "command line"
 
-    if "resume" in given:
+    if values.get("resume"):
         values = _bind_to_run(cls, Path(values["resume"]), values, sources, names, hints)
         overrides = {"resume": values["resume"]}
     try:
