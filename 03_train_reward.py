@@ -28,7 +28,8 @@ from common.data import load_split, train_and_dev, write_jsonl
 from common.metrics import preference_metrics
 from common.model import fingerprint
 from common.rewards import RewardScorer, judge_fingerprint, preference_dataset
-from common.runs import Run
+from common.runs import Run, RunError
+from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -39,6 +40,9 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     set_seed(config.seed)
     run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run},
               base=fingerprint(config))  # the pipeline's base, which 04 and 05 compare
+    if not get_task(run.task).PAIRWISE:
+        raise RunError(f"{config.pairs_run} is a {run.task} pairs run: a judge trains on winner-vs-loser pairs, "
+                       f"which this task does not have")
     run.manifest["judge"] = judge_fingerprint(config)  # the judge's own backbone (RewardScorer.from_run)
     run.save_manifest()
     run.start_tracking()

@@ -107,3 +107,10 @@ def test_a_paper_without_text_is_read_from_its_pdf(tmp_path, tiny_model):
     pairs = run_dir_of(run_stage("01_build_pairs.py", *common, "--pdf", pdf))
     (row,) = [r for s in ("train", "dev", "test") for r in load_split(pairs, s) if r["group_id"] == rows[0]["paper_id"]]
     assert "Attention over long documents in linear time." in row["paper"] and "We prove a bound." in row["paper"]
+
+
+def test_a_judge_is_refused_on_review_pairs(chain):
+    proc = run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml", "--pairs_run",
+                     chain["pairs"], "--runs_dir", chain["runs"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "a judge trains on winner-vs-loser pairs" in proc.stderr.strip().splitlines()[-1]
