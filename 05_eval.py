@@ -85,7 +85,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
             results[name].update(judge_metrics(rewards[name], rewards["base"], words[name], words["base"], config.seed))
         audit = Path(config.reward_run) / "judge_audit.json"
         verdict = read_json(audit)["verdict"]["text"] if audit.is_file() else None
-    task_report = task.evaluate(premises, replies, results, load_split(config.pairs_run, "train"))
+    task_report = task.evaluate(premises, replies, results, config.pairs_run)
     for name in results:
         log.info("%s: %s", name, results[name])
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from common.config import ConfigError, describe, type_ok
+from common.config import STAGE_CONFIGS, ConfigError, describe, type_ok
+from common.data import read_json
 
 log = logging.getLogger("pipeline")
 NOT_COMPARED_ON_RESUME = ("resume", "run_name")  # how the run was found, not how it runs
@@ -37,8 +38,8 @@ def parse_config(cls, argv: list[str] | None = None):
         if key != "config" and key not in names:
             raise ConfigError(f"command line: unknown field '--{key}' (known: {', '.join(sorted(names))})")
     if cls.STAGE and "config" not in given and "resume" not in given:
-        raise ConfigError(f"--config is required: a recipe such as configs/llama3-8b/{_script_yaml(cls)} "
-                          f"(or --resume RUN_DIR to continue a run)")
+        raise ConfigError("--config is required: a recipe, configs/<recipe>/0N_<stage>.yaml "
+                          "(or --resume RUN_DIR to continue a run)")
 
     values, sources = {}, {}
     if "config" in given:
@@ -101,12 +102,10 @@ def _read_yaml(path: Path, names: set) -> dict:
 
 def _bind_to_run(cls, run_dir: Path, requested: dict, sources: dict, names: set, hints: dict) -> dict:
     """--resume: the run's own stage and settings. A value asked for again must equal the run's."""
-    from common.data import read_json
     if (run_dir / "DONE").exists():
         raise ConfigError(f"--resume {run_dir}: that run is finished (DONE); a finished run is never modified")
     if not (run_dir / "manifest.json").is_file() or not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {run_dir}: not a run directory (no manifest.json and config.yaml)")
-    from common.config import STAGE_CONFIGS
     stage = read_json(run_dir / "manifest.json").get("stage")
     if STAGE_CONFIGS.get(stage) is not cls:
         raise ConfigError(f"--resume {run_dir}: that is a {stage} run; this script continues {cls.STAGE} runs only")
@@ -157,11 +156,6 @@ def _parse_raw(raws: list[str], annotation):
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw  # the type check names the field
-
-
-def _script_yaml(cls) -> str:
-    return {"Pairs": "01_build_pairs.yaml", "SFT": "02_train_sft.yaml", "Reward": "03_train_reward.yaml",
-            "GRPO": "04_train_grpo.yaml", "DPO": "04_train_dpo.yaml", "Eval": "05_eval.yaml"}.get(cls.STAGE, "0N_<stage>.yaml")
 
 
 def help_text(cls, doc: str) -> str:

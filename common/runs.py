@@ -207,7 +207,9 @@ def check_input(name: str, path) -> dict | None:
     if expected and manifest.get("stage") not in expected:
         raise RunError(f"--{name} {path}: that is a {manifest.get('stage')} run; --{name} takes a "
                        f"{' or '.join(expected)} run")
-    manifest["_digests"] = _unchanged_artifacts(path, manifest)
+    # Rank 0 checks and records the digests; under a multi-process launch the others follow it
+    # rather than each hashing every adapter again at start-up.
+    manifest["_digests"] = _unchanged_artifacts(path, manifest) if is_main_process() else {}
     return manifest
 
 

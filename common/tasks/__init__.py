@@ -9,7 +9,7 @@ A task module has:
 - `input_units(row)`: stage 01, counts of what a row holds besides itself (review: its reviews)
 - `sft_examples(row, tokenizer, config)`: stage 02, prompt/completion examples within max_length
 - `references(row)`: stage 05, the real replies a generated one is compared with
-- `evaluate(premises, replies, results, train_rows)`: stage 05, the task's own metrics
+- `evaluate(premises, replies, results, pairs_run)`: stage 05, the task's own metrics
 """
 from common.tasks import cmv, review
 

@@ -208,6 +208,6 @@ def references(row: dict) -> list[str]:
     return [row["chosen"]]
 
 
-def evaluate(premises: list[dict], replies: dict, results: dict, train_rows: list[dict]) -> dict:
+def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run) -> dict:
     """Stage 05: CMV's metrics are the shared ones (overlap, and the judge's); nothing to add."""
     return {"baselines": {}, "per_reply": {}, "sections": [], "plots": lambda out_dir: {}}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.data import DataError, n_words
+from common.data import DataError, load_split, n_words
 
 NAME = "review"
 TARGETS = ("merged", "per_review")
@@ -362,7 +362,7 @@ def references(row: dict) -> list[str]:
     return row["references"]
 
 
-def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, train_rows: list[dict]) -> dict:
+def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, pairs_run) -> dict:
     """Stage 05's review metrics. Into each model's results: the rating parsed from each generated
     review against the paper's mean human rating (MAE, RMSE, Pearson) over the parseable ones, the
     format compliance rate, and the ids of the unparseable (counted and listed, never dropped
@@ -381,7 +381,7 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
         per_reply[name] = [{"rating": p["overall"], "confidence": p["confidence"], "human_rating": g}
                            for p, g in zip(parsed, gold)]
         pairs[name] = [(parsed[i]["overall"], gold[i]) for i in ok]
-    train_mean = float(np.mean([r["rating"] for r in train_rows]))
+    train_mean = float(np.mean([r["rating"] for r in load_split(pairs_run, "train")]))
     baselines = {"baseline_constant": {**baseline_constant(train_mean, gold), "train_mean": train_mean},
                  "baseline_human": baseline_human([r["human_ratings"] for r in premises])}
     rows = ["", "## Ratings", "", "Rating parsed from each generated review (`Overall Quality: <n>`) against the mean "
