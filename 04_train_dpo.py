@@ -40,6 +40,7 @@ from common.data import DataError, fit_prompt, fit_reply, load_split, read_jsonl
 from common.generation import generate_replies
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.runs import Run
+from common.shared_prompt import SharedPromptCollator, share_prompt
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -94,9 +95,14 @@ def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Datase
     else:
         from trl import DPOConfig, DPOTrainer
         args = trainer_args(DPOConfig, config, run, max_length=config.max_length, beta=config.beta,
-                            loss_type=["sigmoid"])
+                            loss_type=["sigmoid"], precompute_ref_log_probs=config.precompute_ref_log_probs)
+        collator = None
+        if config.shared_prompt:  # before the trainer: TRL may precompute reference log-probs when built
+            share_prompt(model)
+            collator = SharedPromptCollator(pad_token_id=tokenizer.pad_token_id, max_length=config.max_length)
         # On a PeftModel TRL adds the frozen `ref` copy of the SFT adapter as the reference.
-        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             data_collator=collator)
     run.manifest["patches"] = patches.apply(trainer, config)
     return trainer
 

@@ -11,6 +11,7 @@ forward or a trainer's data behind the config's back.
 | offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
+| shared_prompt | DPO's shared_prompt | a pair as one sequence (common/shared_prompt.py; installed before TRL's DPOTrainer is built) |
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
     applied = ["unmask_right_padding"]
     unmask_right_padding(trainer.model)
+    if getattr(trainer.model, "shares_prompt", False):
+        applied.append("shared_prompt")
     if config.group_by_length and add_length_column(trainer):
         applied.append("add_length_column")
     if config.offload_activations:
