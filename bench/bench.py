@@ -63,9 +63,17 @@ from common.tasks import cmv  # noqa: E402
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
 GIB = 2 ** 30
-REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_dpo / review_gen: a paper's first window, one review
+REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_gen: a paper's first window, one review
 REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,192 and 20,480 tokens
-REVIEW_DPO_TARGET = 24.0  # GiB
+# The pipeline's rows: each recipe as it is, then one lever changed (which attention, the layer inputs
+# in CPU memory, the reference log-probs precomputed once before training).
+REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
+                       ("llama3-8b", "ours_flex", {"attn_implementation": "flex_attention"}),
+                       ("llama3-8b", "ours_offload", {"offload_activations": True}),
+                       ("llama3-8b", "ours_precomputed_ref", {"precompute_ref_log_probs": True}),
+                       ("llama31-8b", "ours", {}),
+                       ("llama31-8b", "ours_flex", {"attn_implementation": "flex_attention"})]
+REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
                  eos_token_id=128009, max_position_embeddings=131072, tie_word_embeddings=False)
@@ -435,32 +443,43 @@ class Bench:
                      "target_met": None if r["peak_gib"] is None else r["peak_gib"] < target})
         del trainer
 
-    def review_dpo(self, ours):
-        """A DPO step on one pair: an 8,192-token prompt with 1,024-token chosen and rejected replies.
-        Ours: 04_train_dpo's preference_dataset and build_trainer with the llama3-8b review recipe
-        (max_length 9,216 so nothing is cut); TRL: DPOTrainer's defaults on the same model and data.
-        Both get the policy as a PeftModel, so TRL adds its frozen `ref` copy of the adapter."""
+    def review_dpo(self, recipe, setting, **over):
+        """DPO steps on one pair each: the recipe's prompt (llama3-8b: 7,168 tokens; llama31-8b: 19,456)
+        with chosen and rejected replies of max_length - prompt tokens (1,024). `setting` trl: TRL's
+        DPOTrainer defaults (two sequences per pair); otherwise 04_train_dpo's preference_dataset and
+        build_trainer with the recipe (shared prompt, its levers) and `over` on top. Both get the policy
+        as a PeftModel, so TRL adds its frozen `ref` copy of the adapter. Tokens/s count 2 x (prompt +
+        reply) per pair for every setting, TRL's work."""
         import trl
 
         from common.data import fit_prompt, template_closing_tokens
+        from common.model import unwrap_peft
         dpo = stage("04_train_dpo.py")
-        P, R = int(REVIEW_PROMPT * self.f), int(REVIEW_REPLY * self.f)
-        base = self.config(DPOStageConfig, "review/04_train_dpo.yaml")
+        base = self.config(DPOStageConfig, "review/04_train_dpo.yaml", recipe)
+        P, R = int(base.max_prompt_tokens * self.f), int((base.max_length - base.max_prompt_tokens) * self.f)
         over = {"max_steps": self.review_steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
-                "max_prompt_tokens": P, "max_length": P + R}
+                "max_prompt_tokens": P, "max_length": P + R, **over}
         if self.tiny:
             over["mlp_chunk_tokens"] = base.mlp_chunk_tokens // 8
-        cfg = self.config(DPOStageConfig, "review/04_train_dpo.yaml", **over)
+        cfg = self.config(DPOStageConfig, "review/04_train_dpo.yaml", recipe, **over)
+        ours = setting != "trl"
         prompt = fit_prompt(self.tokenizer, self.words.prompt(P), cfg.max_prompt_tokens)
         text = Words.text(R - template_closing_tokens(self.tokenizer, prompt))  # + end of turn: R tokens
         rows = [{"id": f"paper{i}", "chosen": text, "rejected": text} for i in range(self.review_steps)]
         data = dpo.preference_dataset(rows, [prompt] * len(rows), [None] * len(rows), self.tokenizer, cfg)
         dtypes = {name: p.dtype for name, p in self.policy.named_parameters() if "lora_" in name}
         fresh_adapter(self.policy)
-        run = self.run_dir("review_dpo", task="review")
+        run = self.run_dir(f"review_dpo_{P}_{setting}", task="review")
+        model = unwrap_peft(self.policy)
+        loaded_attn = model.config._attn_implementation
+        built_s = None
         try:
             if ours:
+                if cfg.attn_implementation != loaded_attn:  # as if the recipe had loaded the model with it
+                    model.set_attn_implementation(cfg.attn_implementation)
+                t = time.perf_counter()
                 trainer = dpo.build_trainer(cfg, run, self.policy, self.tokenizer, data)
+                built_s = round(time.perf_counter() - t, 2)  # includes the reference pass when precomputed
             else:
                 args = trl.DPOConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
                                      max_steps=self.review_steps, per_device_train_batch_size=1, report_to="none",
@@ -478,19 +497,24 @@ class Bench:
             for name, p in self.policy.named_parameters():
                 if name in dtypes and p.dtype != dtypes[name]:
                     p.data = p.data.to(dtypes[name])
+            if model.config._attn_implementation != loaded_attn:
+                model.set_attn_implementation(loaded_attn)
             if ours:
                 _remove_offload_hooks(self.policy)
                 _remove_mlp_chunking(self.policy)
         steps = max(r["steps_timed"], 1)
-        self.record({"stage": "review_dpo", "name": f"review_dpo_{'ours' if ours else 'trl'}",
-                     "setting": "ours" if ours else "trl", "batches": f"{P}+2x{R}", "recipe": "llama3-8b",
-                     "prompt_tokens": P, "reply_tokens": R, "max_length": cfg.max_length,
-                     "sequence_tokens": r["real_tokens"] // (2 * steps), "ref_adapter": ref_adapter,
-                     "seconds_per_step": round(r["seconds"] / steps, 3), "grad_accum": 1, "checkpointing": True,
-                     "offload_activations": bool(cfg.offload_activations and ours),
+        target = REVIEW_DPO_TARGETS[recipe]
+        self.record({"stage": "review_dpo", "name": f"review_dpo_{P}_{setting}", "setting": setting,
+                     "batches": f"{P}+2x{R}", "recipe": recipe, "prompt_tokens": P, "reply_tokens": R,
+                     "max_length": cfg.max_length, "sequence_tokens": r["real_tokens"] // (2 * steps),
+                     "shared_prompt": bool(ours and cfg.shared_prompt), "attn_implementation":
+                     cfg.attn_implementation if ours else loaded_attn, "ref_adapter": ref_adapter,
+                     "precompute_ref_log_probs": bool(ours and cfg.precompute_ref_log_probs),
+                     "trainer_build_s": built_s, "seconds_per_step": round(r["seconds"] / steps, 3),
+                     "grad_accum": 1, "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
-                     "liger": bool(cfg.liger_kernel and ours), "target_gib": REVIEW_DPO_TARGET, **r,
-                     "target_met": None if r["peak_gib"] is None else r["peak_gib"] < REVIEW_DPO_TARGET})
+                     "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
+                     "target_met": None if r["peak_gib"] is None else r["peak_gib"] <= target})
 
     def review_gen(self, reserve_s=0.0):
         """Greedy review generation with the pipeline's decoder (common.generation.decode, as stage 05
@@ -564,7 +588,7 @@ class Bench:
             self.policy.train()
         if done:
             best = max(done, key=lambda r: r["new_tokens_per_s"])
-            small = [r for r in done if r["peak_gib"] is not None and r["peak_gib"] < REVIEW_DPO_TARGET]
+            small = [r for r in done if r["peak_gib"] is not None and r["peak_gib"] < 24.0]
             self.results["review_gen_best"] = {
                 "batch": best["batch"], "new_tokens_per_s": best["new_tokens_per_s"], "peak_gib": best["peak_gib"],
                 "largest_batch_run": done[-1]["batch"],
@@ -706,7 +730,8 @@ class Bench:
             for recipe in REVIEW_SFT_TARGETS:
                 g(f"review sft {recipe} trl", lambda r=recipe: self.review_sft(r, False), 30)
         if "review_dpo" in sections:
-            g("review dpo trl", lambda: self.review_dpo(False), 30)
+            for recipe in REVIEW_DPO_TARGETS:
+                g(f"review dpo {recipe} trl", lambda r=recipe: self.review_dpo(r, "trl"), 30)
         if "review_gen" in sections:
             reserve = 0.0 if self.tiny else (120.0 if "review_sft" in sections else 0.0) + \
                 (60.0 if "review_dpo" in sections else 0.0)
@@ -715,7 +740,10 @@ class Bench:
             for recipe in REVIEW_SFT_TARGETS:
                 g(f"review sft {recipe} ours", lambda r=recipe: self.review_sft(r, True), 30)
         if "review_dpo" in sections:
-            g("review dpo ours", lambda: self.review_dpo(True), 30)
+            for recipe, setting, over in REVIEW_DPO_SETTINGS:
+                if self.tiny and over.get("attn_implementation") == "flex_attention":
+                    continue  # FlexAttention has no backward on the CPU
+                g(f"review dpo {recipe} {setting}", lambda r=recipe, s=setting, o=over: self.review_dpo(r, s, **o), 30)
         if "sft" in sections:
             if "uniform" in self.args.batches:
                 g("sft uniform trl", lambda: self.sft("sft_uniform_trl", "uniform", uniform_sft, False), 40)
@@ -812,13 +840,25 @@ def build_random_model(path: Path, tokenizer_from: Path = TINY_MODEL) -> None:
     print(f"built {path} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
+def _commit() -> str:
+    """The checkout's commit (+ "-dirty" with uncommitted changes); BENCH_COMMIT where git is absent."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
 def meta(args) -> dict:
     import peft
     import transformers
     import trl
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "host": platform.node(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny}
+            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny, "commit": _commit()}
     from importlib.metadata import PackageNotFoundError, version
     for name in ("bitsandbytes", "datasets", "accelerate", "liger-kernel"):
         try:

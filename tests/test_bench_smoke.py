@@ -147,9 +147,10 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     b.run(["review_sft", "review_dpo", "review_gen"])
     assert b.results["errors"] == []
     rows = {r["name"]: r for r in b.results["rows"]}
-    assert set(rows) == {"review_sft_8192_trl", "review_sft_20480_trl", "review_dpo_trl", "review_gen_b1",
-                         "review_gen_b2", "review_gen_b4", "review_sft_8192_ours", "review_sft_20480_ours",
-                         "review_dpo_ours"}
+    dpo_rows = {"review_dpo_896_trl", "review_dpo_2432_trl", "review_dpo_896_ours", "review_dpo_896_ours_offload",
+                "review_dpo_896_ours_precomputed_ref", "review_dpo_2432_ours"}  # the flex rows: GPU only
+    assert set(rows) == {"review_sft_8192_trl", "review_sft_20480_trl", "review_gen_b1", "review_gen_b2",
+                         "review_gen_b4", "review_sft_8192_ours", "review_sft_20480_ours"} | dpo_rows
     # SFT: one sequence of the recipe's max_length (/ 8) a step, the recipe's levers on ours only
     for n, recipe in ((8192, "llama3-8b"), (20480, "llama31-8b")):
         ours, trl = rows[f"review_sft_{n}_ours"], rows[f"review_sft_{n}_trl"]
@@ -159,11 +160,16 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
         assert not trl["offload_activations"] and not trl["liger"]
     assert rows["review_sft_20480_ours"]["offload_activations"] and rows["review_sft_20480_ours"]["mlp_chunk_tokens"]
     assert rows["review_sft_20480_ours"]["input_strategy"] == "whole"
-    # DPO: prompt 1,024 + reply 128 (8,192 + 1,024 / 8) on both sides, nothing cut; TRL's `ref` adapter copy
-    for name in ("review_dpo_ours", "review_dpo_trl"):
+    # DPO: prompt 896 or 2,432 + replies of 128 (7,168 or 19,456 + 1,024, / 8), nothing cut, TRL's `ref`
+    # adapter copy, and the tokens counted as TRL's two sequences on every row
+    for name in dpo_rows:
         r = rows[name]
-        assert r["ref_adapter"] and r["max_length"] == 1152 and 1150 <= r["sequence_tokens"] <= 1152
+        n = 1024 if r["recipe"] == "llama3-8b" else 2560
+        assert r["ref_adapter"] and r["max_length"] == n and n - 2 <= r["sequence_tokens"] <= n, name
         assert r["real_tokens"] == 2 * r["sequence_tokens"] * r["steps_timed"]
+        assert r["shared_prompt"] == (r["setting"] != "trl")
+    assert rows["review_dpo_896_ours_precomputed_ref"]["precompute_ref_log_probs"]
+    assert b.results["meta"]["commit"]
     # ...and the model is handed back as it was: no `ref` adapter, the LoRA weights trainable, one dtype
     # (TRL's trainers cast a 4-bit model's LoRA weights to bf16; DPO's cast is undone, the SFT rows' stays)
     assert list(b.policy.peft_config) == ["default"]
@@ -175,4 +181,4 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
         assert r["prompt_tokens"] == 1024 and r["new_tokens"] == batch * 16 and not r["oom"]
     assert b.results["review_gen_best"]["batch"] in (1, 2, 4)
     text = bench.table(b.results)
-    assert "review_dpo_ours" in text and "review_gen_b4" in text and "x faster" in text
+    assert "review_dpo_896_ours" in text and "review_gen_b4" in text and "x faster" in text

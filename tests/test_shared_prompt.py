@@ -150,3 +150,18 @@ def test_reference_log_probs_equal_trls(trainer):
     chosen, rejected = trainer.compute_ref_log_probs(trainer.model, batch)
     assert _relative_error(chosen, trl_chosen) < trainer.tolerance
     assert _relative_error(rejected, trl_rejected) < trainer.tolerance
+
+
+@pytest.mark.parametrize("trainer", ["fp32"], indirect=True)
+def test_flex_attention_block_mask_gives_the_same_log_probs(trainer):
+    """The BlockMask the GPU recipes use (attn_implementation flex_attention) against the sdpa mask."""
+    batch = _batch(trainer)
+    trainer.model.eval()
+    sdpa = _log_probs(trainer, batch)
+    base = trainer.model.get_base_model()
+    base.set_attn_implementation("flex_attention")
+    try:
+        flex = _log_probs(trainer, batch)
+    finally:
+        base.set_attn_implementation("sdpa")
+    assert _relative_error(flex, sdpa) < trainer.tolerance
