@@ -98,7 +98,7 @@ def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Datase
                             loss_type=["sigmoid"], precompute_ref_log_probs=config.precompute_ref_log_probs)
         collator = None
         if config.shared_prompt:  # before the trainer: TRL may precompute reference log-probs when built
-            share_prompt(model)
+            run.manifest["shared_prompt_attention"] = share_prompt(model, config.shared_prompt_attention)
             collator = SharedPromptCollator(pad_token_id=tokenizer.pad_token_id, max_length=config.max_length)
         # On a PeftModel TRL adds the frozen `ref` copy of the SFT adapter as the reference.
         trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,

@@ -68,11 +68,11 @@ REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,1
 # The pipeline's rows: each recipe as it is, then one lever changed (which attention, the layer inputs
 # in CPU memory, the reference log-probs precomputed once before training).
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
-                       ("llama3-8b", "ours_flex", {"attn_implementation": "flex_attention"}),
+                       ("llama3-8b", "ours_sdpa", {"shared_prompt_attention": "sdpa"}),
                        ("llama3-8b", "ours_offload", {"offload_activations": True}),
                        ("llama3-8b", "ours_precomputed_ref", {"precompute_ref_log_probs": True}),
                        ("llama31-8b", "ours", {}),
-                       ("llama31-8b", "ours_flex", {"attn_implementation": "flex_attention"})]
+                       ("llama31-8b", "ours_sdpa", {"shared_prompt_attention": "sdpa"})]
 REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
@@ -475,8 +475,6 @@ class Bench:
         built_s = None
         try:
             if ours:
-                if cfg.attn_implementation != loaded_attn:  # as if the recipe had loaded the model with it
-                    model.set_attn_implementation(cfg.attn_implementation)
                 t = time.perf_counter()
                 trainer = dpo.build_trainer(cfg, run, self.policy, self.tokenizer, data)
                 built_s = round(time.perf_counter() - t, 2)  # includes the reference pass when precomputed
@@ -508,7 +506,7 @@ class Bench:
                      "batches": f"{P}+2x{R}", "recipe": recipe, "prompt_tokens": P, "reply_tokens": R,
                      "max_length": cfg.max_length, "sequence_tokens": r["real_tokens"] // (2 * steps),
                      "shared_prompt": bool(ours and cfg.shared_prompt), "attn_implementation":
-                     cfg.attn_implementation if ours else loaded_attn, "ref_adapter": ref_adapter,
+                     run.manifest.get("shared_prompt_attention", loaded_attn), "ref_adapter": ref_adapter,
                      "precompute_ref_log_probs": bool(ours and cfg.precompute_ref_log_probs),
                      "trainer_build_s": built_s, "seconds_per_step": round(r["seconds"] / steps, 3),
                      "grad_accum": 1, "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
@@ -741,8 +739,8 @@ class Bench:
                 g(f"review sft {recipe} ours", lambda r=recipe: self.review_sft(r, True), 30)
         if "review_dpo" in sections:
             for recipe, setting, over in REVIEW_DPO_SETTINGS:
-                if self.tiny and over.get("attn_implementation") == "flex_attention":
-                    continue  # FlexAttention has no backward on the CPU
+                if self.tiny and setting == "ours_sdpa":
+                    continue  # the CPU runs sdpa anyway (FlexAttention has no backward there): same as "ours"
                 g(f"review dpo {recipe} {setting}", lambda r=recipe, s=setting, o=over: self.review_dpo(r, s, **o), 30)
         if "sft" in sections:
             if "uniform" in self.args.batches:
@@ -841,13 +839,13 @@ def build_random_model(path: Path, tokenizer_from: Path = TINY_MODEL) -> None:
 
 
 def _commit() -> str:
-    """The checkout's commit (+ "-dirty" with uncommitted changes); BENCH_COMMIT where git is absent."""
+    """BENCH_COMMIT when set (a copied tree's .git may be stale), else the checkout's commit (+ "-dirty")."""
     import subprocess
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True).stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
+        return os.environ.get("BENCH_COMMIT") or head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("BENCH_COMMIT", "unknown")
 

@@ -22,8 +22,9 @@ runs the shared sequence through TRL's fused LM head and hands back each per-tok
 entropy, mean_logits, is_top1) laid out as TRL's two-sequence batch. Every DPO loss variant and every
 metric TRL computes from those fields therefore stays TRL's.
 
-Attention: sdpa gets a boolean (batch, 1, L, L) mask; flex_attention gets a BlockMask with the same
-rule, which skips the blocks the rule masks out (on GPUs, for long papers).
+Attention: flex_attention (the GPU default, `shared_prompt_attention`) gets a BlockMask, which skips
+the blocks the rule masks out; sdpa gets the same rule as a boolean (batch, 1, L, L) mask, which sends
+it to a slower masked kernel (bench/RESULTS.md) and is what the CPU runs.
 """
 from __future__ import annotations
 
@@ -101,10 +102,16 @@ def attention_mask(bounds: torch.Tensor, length: int, attn_implementation: str):
     return rule(b[:, None, None, None], None, q[None, None, :, None], q[None, None, None, :])
 
 
-def share_prompt(model) -> None:
+def share_prompt(model, attention: str = "flex_attention") -> str:
     """Wrap the PeftModel's forward: a call with the collator's `shared_*` tensors runs the shared
     sequence and returns TRL's fused-LM-head output laid out as TRL's two-sequence batch. Called
-    before the DPOTrainer is built, since TRL may precompute reference log-probs in its constructor."""
+    before the DPOTrainer is built, since TRL may precompute reference log-probs in its constructor.
+    The model then runs `attention` on a GPU, sdpa on the CPU (FlexAttention has no backward there);
+    returns the one it runs."""
+    attention = attention if torch.cuda.is_available() else "sdpa"
+    inner = model.get_base_model()
+    if inner.config._attn_implementation != attention:
+        inner.set_attn_implementation(attention)
     forward = model.forward
 
     def shared_forward(*args, **kwargs):
@@ -134,3 +141,4 @@ def share_prompt(model) -> None:
 
     model.forward = shared_forward
     model.shares_prompt = True
+    return attention
