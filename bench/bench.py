@@ -58,6 +58,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from common.config import DPOStageConfig, GRPOStageConfig, RewardStageConfig, SFTStageConfig  # noqa: E402
+from common.provenance import bench_commit  # noqa: E402
 from common.tasks import cmv  # noqa: E402
 
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
@@ -838,25 +839,13 @@ def build_random_model(path: Path, tokenizer_from: Path = TINY_MODEL) -> None:
     print(f"built {path} in {time.perf_counter() - t:.0f} s", flush=True)
 
 
-def _commit() -> str:
-    """BENCH_COMMIT when set (a copied tree's .git may be stale), else the checkout's commit (+ "-dirty")."""
-    import subprocess
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return os.environ.get("BENCH_COMMIT") or head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
-
-
 def meta(args) -> dict:
     import peft
     import transformers
     import trl
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "host": platform.node(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny, "commit": _commit()}
+            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny, **bench_commit()}
     from importlib.metadata import PackageNotFoundError, version
     for name in ("bitsandbytes", "datasets", "accelerate", "liger-kernel"):
         try:

@@ -40,6 +40,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.trainer_utils import SaveStrategy  # noqa: E402
 
 from common.config import ModelArgs, RunArgs, TrainArgs  # noqa: E402
+from common.provenance import bench_commit  # noqa: E402
 
 GIB = 2 ** 30
 TINY = REPO / ".cache" / "models" / "tiny-llama3"
@@ -187,6 +188,9 @@ def main(argv=None) -> None:
         build_model(Path(args.build))
         return
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if not torch.cuda.is_available() and os.environ.get("ALLOW_CPU") != "1":  # a GPU bench on the CPU is a bug
+        sys.exit(f"ddp_train.py: no GPU visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                 "ALLOW_CPU=1 for a smoke run")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -197,6 +201,7 @@ def main(argv=None) -> None:
             print(f"RESULT {json.dumps(result)}", flush=True)
     if rank == 0:
         meta = {"world_size": world, "torch": torch.__version__, "cuda": torch.version.cuda,
+                "command": " ".join(sys.argv), **bench_commit(),
                 "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
         (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
 

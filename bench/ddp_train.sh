@@ -46,13 +46,21 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader || true
 for n in $GPU_COUNTS; do
   # One process with several GPUs visible makes the Trainer wrap the model in nn.DataParallel
   # (which TRL refuses): the 1-GPU baseline sees only GPU 0.
-  if (( n == 1 )); then config=configs/accelerate/single_gpu.yaml; visible=0; else config=configs/accelerate/multi_gpu.yaml; visible=${CUDA_VISIBLE_DEVICES:-}; fi
-  echo "== $n GPU(s): $config"
+  # Several GPUs: the first n of those visible (an unset CUDA_VISIBLE_DEVICES must stay unset; set
+  # to an empty string it would hide every GPU and run the 8B model on the CPU).
+  if (( n == 1 )); then
+    config=configs/accelerate/single_gpu.yaml; visible=0
+  else
+    config=configs/accelerate/multi_gpu.yaml; visible=$(seq -s, 0 $(( n - 1 )))
+    [[ -n ${CUDA_VISIBLE_DEVICES:-} ]] && visible=$(cut -d, -f1-"$n" <<< "$CUDA_VISIBLE_DEVICES")
+  fi
+  echo "== $n GPU(s): $config, CUDA_VISIBLE_DEVICES=$visible"
   start=$(date +%s)
-  CUDA_VISIBLE_DEVICES=$visible "$PYTHON" -m accelerate.commands.launch --config_file "$config" --num_processes "$n" --num_machines 1 \
-    --machine_rank 0 --main_process_port $(( 29500 + n )) \
+  # --line-buffered: a run killed part-way still shows what it printed
+  CUDA_VISIBLE_DEVICES=$visible "$PYTHON" -u -m accelerate.commands.launch --config_file "$config" --num_processes "$n" \
+    --num_machines 1 --machine_rank 0 --main_process_port $(( 29500 + n )) \
     bench/ddp_train.py --model "$MODEL_DIR" --out "$BENCH_OUT/${n}gpu" "$@" 2>&1 \
-    | grep -v -e 'examples/s' -e 'Loading weights' -e '^{' || true
+    | grep --line-buffered -v -e 'examples/s' -e 'Loading weights' -e '^{' || true
   [[ -f $BENCH_OUT/${n}gpu/results.json ]] || die "$n GPU(s): no results (see the output above)"
   echo "   took $(( $(date +%s) - start )) s"
 done

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -51,6 +52,14 @@ def git_state() -> dict:
         return {"commit": commit, "dirty": dirty}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
+
+
+def bench_commit() -> dict:
+    """The benchmarks' record of the code they ran: BENCH_COMMIT when set (a tree copied to a GPU machine
+    may carry a stale .git), else the git state."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "dirty": None}
+    return git_state()
 
 
 def versions() -> dict:

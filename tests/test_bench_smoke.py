@@ -169,7 +169,7 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
         assert r["real_tokens"] == 2 * r["sequence_tokens"] * r["steps_timed"]
         assert r["shared_prompt"] == (r["setting"] != "trl")
     assert rows["review_dpo_896_ours_precomputed_ref"]["precompute_ref_log_probs"]
-    assert b.results["meta"]["commit"]
+    assert b.results["meta"]["commit"]  # the code that ran
     # ...and the model is handed back as it was: no `ref` adapter, the LoRA weights trainable, one dtype
     # (TRL's trainers cast a 4-bit model's LoRA weights to bf16; DPO's cast is undone, the SFT rows' stays)
     assert list(b.policy.peft_config) == ["default"]
