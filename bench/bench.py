@@ -458,16 +458,20 @@ class Bench:
         dpo = stage("04_train_dpo.py")
         base = self.config(DPOStageConfig, "review/04_train_dpo.yaml", recipe)
         P, R = int(base.max_prompt_tokens * self.f), int((base.max_length - base.max_prompt_tokens) * self.f)
-        over = {"max_steps": self.review_steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+        steps = self.review_steps + 1  # two untimed: FlexAttention compiles for the first shape, then dynamic
+        over = {"max_steps": steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
                 "max_prompt_tokens": P, "max_length": P + R, **over}
         if self.tiny:
             over["mlp_chunk_tokens"] = base.mlp_chunk_tokens // 8
         cfg = self.config(DPOStageConfig, "review/04_train_dpo.yaml", recipe, **over)
         ours = setting != "trl"
-        prompt = fit_prompt(self.tokenizer, self.words.prompt(P), cfg.max_prompt_tokens)
-        text = Words.text(R - template_closing_tokens(self.tokenizer, prompt))  # + end of turn: R tokens
-        rows = [{"id": f"paper{i}", "chosen": text, "rejected": text} for i in range(self.review_steps)]
-        data = dpo.preference_dataset(rows, [prompt] * len(rows), [None] * len(rows), self.tokenizer, cfg)
+        # Papers differ in length: each step's prompt is 1/64 of P shorter than the one before (a new
+        # shape every step, as in a real run), the replies R tokens each (with their end of turn).
+        prompts = [fit_prompt(self.tokenizer, self.words.prompt(P - i * (P // 64)), cfg.max_prompt_tokens)
+                   for i in range(steps)]
+        text = Words.text(R - template_closing_tokens(self.tokenizer, prompts[0]))
+        rows = [{"id": f"paper{i}", "chosen": text, "rejected": text} for i in range(steps)]
+        data = dpo.preference_dataset(rows, prompts, [None] * len(rows), self.tokenizer, cfg)
         dtypes = {name: p.dtype for name, p in self.policy.named_parameters() if "lora_" in name}
         fresh_adapter(self.policy)
         run = self.run_dir(f"review_dpo_{P}_{setting}", task="review")
@@ -481,13 +485,13 @@ class Bench:
                 built_s = round(time.perf_counter() - t, 2)  # includes the reference pass when precomputed
             else:
                 args = trl.DPOConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
-                                     max_steps=self.review_steps, per_device_train_batch_size=1, report_to="none",
+                                     max_steps=steps, per_device_train_batch_size=1, report_to="none",
                                      save_strategy="no", disable_tqdm=True,
                                      **({"bf16": False, "use_cpu": True} if self.tiny else {}))
                 trainer = trl.DPOTrainer(model=self.policy, args=args, train_dataset=data,
                                          processing_class=self.tokenizer)
             ref_adapter = "ref" in self.policy.peft_config
-            r = train_run(trainer, 1, ours)
+            r = train_run(trainer, 1, ours, warmup_steps=2)
             del trainer
         finally:  # the next trainer gets the model as it was: no `ref` adapter, LoRA in its own dtype
             if "ref" in self.policy.peft_config:
@@ -501,15 +505,15 @@ class Bench:
             if ours:
                 _remove_offload_hooks(self.policy)
                 _remove_mlp_chunking(self.policy)
-        steps = max(r["steps_timed"], 1)
+        timed = max(r["steps_timed"], 1)
         target = REVIEW_DPO_TARGETS[recipe]
         self.record({"stage": "review_dpo", "name": f"review_dpo_{P}_{setting}", "setting": setting,
                      "batches": f"{P}+2x{R}", "recipe": recipe, "prompt_tokens": P, "reply_tokens": R,
-                     "max_length": cfg.max_length, "sequence_tokens": r["real_tokens"] // (2 * steps),
+                     "max_length": cfg.max_length, "sequence_tokens": r["real_tokens"] // (2 * timed),
                      "shared_prompt": bool(ours and cfg.shared_prompt), "attn_implementation":
                      run.manifest.get("shared_prompt_attention", loaded_attn), "ref_adapter": ref_adapter,
                      "precompute_ref_log_probs": bool(ours and cfg.precompute_ref_log_probs),
-                     "trainer_build_s": built_s, "seconds_per_step": round(r["seconds"] / steps, 3),
+                     "trainer_build_s": built_s, "seconds_per_step": round(r["seconds"] / timed, 3),
                      "grad_accum": 1, "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
                      "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,

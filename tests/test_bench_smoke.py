@@ -160,13 +160,13 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
         assert not trl["offload_activations"] and not trl["liger"]
     assert rows["review_sft_20480_ours"]["offload_activations"] and rows["review_sft_20480_ours"]["mlp_chunk_tokens"]
     assert rows["review_sft_20480_ours"]["input_strategy"] == "whole"
-    # DPO: prompt 896 or 2,432 + replies of 128 (7,168 or 19,456 + 1,024, / 8), nothing cut, TRL's `ref`
-    # adapter copy, and the tokens counted as TRL's two sequences on every row
+    # DPO: prompts up to 896 or 2,432 + replies of 128 (7,168 or 19,456 + 1,024, / 8), 1/64 shorter each
+    # step, nothing cut, TRL's `ref` adapter copy, tokens counted as TRL's two sequences on every row
     for name in dpo_rows:
         r = rows[name]
         n = 1024 if r["recipe"] == "llama3-8b" else 2560
-        assert r["ref_adapter"] and r["max_length"] == n and n - 2 <= r["sequence_tokens"] <= n, name
-        assert r["real_tokens"] == 2 * r["sequence_tokens"] * r["steps_timed"]
+        assert r["ref_adapter"] and r["max_length"] == n and n - n // 16 <= r["sequence_tokens"] < n - 2, name
+        assert abs(r["real_tokens"] - 2 * r["sequence_tokens"] * r["steps_timed"]) < 2 * r["steps_timed"]
         assert r["shared_prompt"] == (r["setting"] != "trl")
     assert rows["review_dpo_896_ours_precomputed_ref"]["precompute_ref_log_probs"]
     assert b.results["meta"]["commit"]  # the code that ran
