@@ -222,7 +222,7 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     measured = tokens[w * micro_per_step: len(clock.times) * micro_per_step]
     seconds = clock.times[-1] - t0
     real, padded = sum(r for r, _ in measured), sum(p for _, p in measured)
-    return {"steps_timed": len(clock.times) - w, "seconds": round(seconds, 3),
+    return {"steps_timed": len(clock.times) - w, "seconds": round(seconds, 3), "warmup_s": round(t0 - start, 2),
             "real_tokens": real, "padded_tokens": padded, "real_share": round(real / max(padded, 1), 3),
             "tokens_per_s": round(real / seconds, 1), "peak_gib": peak}
 
@@ -458,7 +458,9 @@ class Bench:
         dpo = stage("04_train_dpo.py")
         base = self.config(DPOStageConfig, "review/04_train_dpo.yaml", recipe)
         P, R = int(base.max_prompt_tokens * self.f), int((base.max_length - base.max_prompt_tokens) * self.f)
-        steps = self.review_steps + 1  # two untimed: FlexAttention compiles for the first shape, then dynamic
+        # three untimed steps: FlexAttention compiles (policy and reference pass, the first shape, then
+        # dynamic shapes) once per process; its seconds are in the row as warmup_s
+        steps = self.review_steps + 2
         over = {"max_steps": steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
                 "max_prompt_tokens": P, "max_length": P + R, **over}
         if self.tiny:
@@ -491,7 +493,7 @@ class Bench:
                 trainer = trl.DPOTrainer(model=self.policy, args=args, train_dataset=data,
                                          processing_class=self.tokenizer)
             ref_adapter = "ref" in self.policy.peft_config
-            r = train_run(trainer, 1, ours, warmup_steps=2)
+            r = train_run(trainer, 1, ours, warmup_steps=3)
             del trainer
         finally:  # the next trainer gets the model as it was: no `ref` adapter, LoRA in its own dtype
             if "ref" in self.policy.peft_config:
