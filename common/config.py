@@ -260,7 +260,7 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs):
                               "computed once (common/shared_prompt.py); same loss as TRL's two sequences")
     shared_prompt_attention: Literal["flex_attention", "sdpa"] = arg(
         "flex_attention", "dpo, shared_prompt: the attention training runs on a GPU. flex_attention skips the "
-        "masked blocks (bench/RESULTS.md: 1.52x TRL's tokens/s at 7,168 + 2 x 1,024, sdpa's dense mask 1.13x); "
+        "masked blocks (bench/RESULTS.md: 1.89x TRL's tokens/s at 7,168 + 2 x 1,024, sdpa's dense mask 1.21x); "
         "the CPU always runs sdpa (FlexAttention has no backward there)")
     precompute_ref_log_probs: bool = arg(False, "dpo: the reference log-probs in one pass over the pairs "
                                          "before training (TRL's option) instead of in every step")
