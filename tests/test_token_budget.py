@@ -217,3 +217,33 @@ def test_the_budget_is_refused_where_it_does_not_apply():
     with pytest.raises(ConfigError, match="GRPO"):
         GRPOStageConfig(sft_run="x", reward_run="y", max_tokens_per_batch=6144)
     assert SFTStageConfig(pairs_run="x", max_tokens_per_batch=6144).max_tokens_per_batch == 6144
+
+
+def test_a_resumed_run_sees_the_batches_and_losses_of_an_uninterrupted_one(tmp_path):
+    """Through the stages' train(): 14 steps over more than two epochs, checkpoint at step 8 (inside the
+    second epoch); a fresh trainer resumed from it gets the uninterrupted run's micro-batches 9 to 14
+    (the Trainer skips into that epoch's order) and its losses."""
+    import shutil
+
+    from common.training import train
+
+    def run(name, checkpoint=None):
+        trainer = build("sft", tmp_path / name, max_tokens_per_batch=BUDGET["sft"], max_steps=14, save_steps=8,
+                        logging_steps=1, learning_rate=1e-3)
+        seen, collate = [], trainer.data_collator
+        trainer.data_collator = lambda examples: seen.append(
+            sorted(tuple(e["input_ids"]) for e in examples)) or collate(examples)
+        if checkpoint:
+            shutil.copytree(checkpoint, tmp_path / name / "checkpoints" / checkpoint.name)
+        metrics = train(trainer, _run(tmp_path / name))
+        losses = {h["step"]: h["loss"] for h in metrics["log_history"] if "loss" in h}
+        return seen, losses, len(trainer.get_train_dataloader())
+
+    whole, whole_losses, per_epoch = run("whole")
+    assert per_epoch < 8 < 2 * per_epoch  # step 8 lies inside the second epoch
+    assert whole[:per_epoch] != whole[per_epoch:2 * per_epoch]  # whose order is not the first epoch's
+    resumed, resumed_losses, _ = run("resumed", tmp_path / "whole" / "checkpoints" / "checkpoint-8")
+    assert resumed[:6] == whole[8:14]  # (accelerate's loader collates one batch ahead: each list has one more)
+    assert sorted(resumed_losses) == sorted(whole_losses) == list(range(1, 15))  # 1-8 from the checkpoint's log
+    for step in range(9, 15):
+        assert resumed_losses[step] == pytest.approx(whole_losses[step], rel=1e-4), step
