@@ -18,6 +18,9 @@ a micro-batch of its own. The micro-batches are fixed for the run and each epoch
 new order (seed + epoch), as fairseq's `batch_by_size` does: the count per epoch stays constant,
 which the Trainer's step count, learning-rate schedule and skip of batches on resume rely on.
 Under several processes accelerate deals the micro-batches out in turn (`BatchSamplerShard`).
+Not covered there: a multi-process run resumed inside its second or a later epoch. accelerate's
+skip wrapper around `BatchSamplerShard` passes no `set_epoch` on, so that epoch would replay the
+first epoch's order (one process is tested; transformers' own BatchRebalanceSampler shares this).
 
 The loss: an optimiser step now holds micro-batches of different sizes. SFT is exact as TRL runs
 it (each token's loss is divided by the step's token count, `num_items_in_batch`). TRL's reward
