@@ -151,6 +151,17 @@ def step_batches(items, batch, n_steps, grouped, seed, key=sum):
     return [items[i] for step in chosen for i in step]
 
 
+def budget_steps(items, rows, budget, grad_accum, n_steps, seed, key=sum):
+    """max_tokens_per_batch: n_steps optimiser steps (grad_accum micro-batches each), drawn at random from
+    one epoch over all `items` as the pipeline's TokenBudgetBatchSampler forms them. The trainer packs
+    these examples again and gets the same micro-batches: each is a run of the length-sorted order."""
+    from common.token_budget import TokenBudgetBatchSampler
+    order = list(TokenBudgetBatchSampler([key(x) for x in items], rows, budget, seed))
+    steps = [order[i:i + grad_accum] for i in range(0, len(order) - grad_accum + 1, grad_accum)]
+    chosen = random.Random(seed).sample(steps, min(n_steps, len(steps)))
+    return [items[i] for step in chosen for micro in step for i in micro]
+
+
 # --- measuring -----------------------------------------------------------------------------------
 
 def sync():
@@ -186,7 +197,7 @@ def count_tokens(trainer, sink):
         batch = collate(examples)
         ids = batch["input_ids"]
         real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
-        sink.append((real, ids.numel()))
+        sink.append((real, ids.numel(), len(ids)))
         return batch
     trainer.data_collator = wrapped
 
@@ -221,9 +232,11 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     t0 = clock.times[w - 1] if w > 0 else start
     measured = tokens[w * micro_per_step: len(clock.times) * micro_per_step]
     seconds = clock.times[-1] - t0
-    real, padded = sum(r for r, _ in measured), sum(p for _, p in measured)
+    real, padded = sum(m[0] for m in measured), sum(m[1] for m in measured)
     return {"steps_timed": len(clock.times) - w, "seconds": round(seconds, 3), "warmup_s": round(t0 - start, 2),
             "real_tokens": real, "padded_tokens": padded, "real_share": round(real / max(padded, 1), 3),
+            "rows_per_micro_batch": round(sum(m[2] for m in measured) / max(len(measured), 1), 2),
+            "padded_tokens_per_micro_batch": round(padded / max(len(measured), 1)),
             "tokens_per_s": round(real / seconds, 1), "peak_gib": peak}
 
 
@@ -300,6 +313,15 @@ class Bench:
             argv += [f"--{key}", json.dumps(value) if not isinstance(value, str) else value]
         return parse_config(cls, argv)[0]
 
+    def scaled_budget(self, yaml_name, per_device, ours) -> dict:
+        """The recipe's max_tokens_per_batch for these rows: --tiny scales it as it scales the lengths (/ 8)
+        and the examples a micro-batch (4 for the recipe's 8). TRL's rows run without one."""
+        budget = self.config(SFTStageConfig if yaml_name.startswith("02") else RewardStageConfig,
+                             yaml_name).max_tokens_per_batch
+        if not ours or not budget:
+            return {}
+        return {"max_tokens_per_batch": int(budget * self.f * per_device / 8)}
+
     def run_dir(self, name, task="cmv"):
         path = self.work / name
         shutil.rmtree(path, ignore_errors=True)
@@ -312,12 +334,20 @@ class Bench:
 
     def sft(self, name, kind, lengths, ours, **over):
         import trl
+        per_device = 4 if self.tiny else 8
         cfg = self.config(SFTStageConfig, "02_train_sft.yaml", max_steps=self.steps,
                           max_prompt_tokens=self.max_prompt, max_length=self.max_length,
-                          per_device_train_batch_size=4 if self.tiny else 8, **over)
+                          per_device_train_batch_size=per_device,
+                          **self.scaled_budget("02_train_sft.yaml", per_device, ours), **over)
         ga = cfg.gradient_accumulation_steps if ours else 1
-        rows = self.sft_rows(step_batches(lengths, cfg.per_device_train_batch_size * ga, self.steps, ours and
-                                          cfg.group_by_length, seed=1) if kind == "real" else lengths)
+        budget = cfg.max_tokens_per_batch if ours else 0
+        if kind != "real":
+            items = lengths
+        elif budget:  # the recipe's token-budget micro-batches
+            items = budget_steps(lengths, 1, budget, ga, self.steps, seed=1)
+        else:
+            items = step_batches(lengths, per_device * ga, self.steps, ours and cfg.group_by_length, seed=1)
+        rows = self.sft_rows(items)
         fresh_adapter(self.policy)
         run = self.run_dir(name)
         if ours:
@@ -331,8 +361,9 @@ class Bench:
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
         r = train_run(trainer, ga, ours)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
-                     "per_device": cfg.per_device_train_batch_size, "grad_accum": ga,
-                     "checkpointing": cfg.gradient_checkpointing, "group_by_length": cfg.group_by_length and ours,
+                     "per_device": None if budget else cfg.per_device_train_batch_size, "max_tokens_per_batch": budget,
+                     "grad_accum": ga, "checkpointing": cfg.gradient_checkpointing,
+                     "group_by_length": bool(budget) or (cfg.group_by_length and ours),
                      "liger": cfg.liger_kernel and ours, **r})
         del trainer
 
@@ -607,13 +638,21 @@ class Bench:
     # reward ----------------------------------------------------------------------------------------
     def reward(self, name, kind, lengths, ours, **over):
         import trl
+        per_device = 4 if self.tiny else 8
         cfg = self.config(RewardStageConfig, "03_train_reward.yaml", max_steps=self.steps,
                           max_prompt_tokens=self.max_prompt, max_length=self.max_length,
-                          per_device_train_batch_size=4 if self.tiny else 8, **over)
+                          per_device_train_batch_size=per_device,
+                          **self.scaled_budget("03_train_reward.yaml", per_device, ours), **over)
         ga = cfg.gradient_accumulation_steps if ours else 1
-        items = step_batches(lengths, cfg.per_device_train_batch_size * ga, self.steps,
-                             ours and cfg.group_by_length, seed=3,  # the longer reply sets the padding
-                             key=lambda x: x[0] + max(x[1], x[2])) if kind == "real" else lengths
+        budget = cfg.max_tokens_per_batch if ours else 0
+        longer = lambda x: x[0] + max(x[1], x[2])  # noqa: E731 (the longer reply sets the padding)
+        if kind != "real":
+            items = lengths
+        elif budget:  # the recipe's token-budget micro-batches: chosen and rejected rows
+            items = budget_steps(lengths, 2, budget, ga, self.steps, seed=3, key=longer)
+        else:
+            items = step_batches(lengths, per_device * ga, self.steps, ours and cfg.group_by_length, seed=3,
+                                 key=longer)
         rows = [{"prompt": self.words.prompt(p), "chosen": Words.text(c - 1), "rejected": Words.text(j - 1)}
                 for p, c, j in items]
         fresh_adapter(self.judge_model)
@@ -636,8 +675,10 @@ class Bench:
             patches.apply(trainer, cfg)
         r = train_run(trainer, ga, ours)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
-                     "pairs_per_device": cfg.per_device_train_batch_size, "grad_accum": ga,
-                     "group_by_length": cfg.group_by_length and ours, "liger": cfg.liger_kernel and ours, **r})
+                     "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
+                     "max_tokens_per_batch": budget, "grad_accum": ga,
+                     "group_by_length": bool(budget) or (cfg.group_by_length and ours),
+                     "liger": cfg.liger_kernel and ours, **r})
         del trainer
 
     # GRPO ------------------------------------------------------------------------------------------

@@ -105,6 +105,11 @@ class TrainArgs:
     weight_decay: float = arg(0.0, "AdamW weight decay", ge=0)
     gradient_checkpointing: bool = arg(True, "recompute activations in backward: less memory, ~30% more compute")
     group_by_length: bool = arg(False, "batches of similar length: little padding on real-length data")
+    max_tokens_per_batch: int = arg(
+        0, "> 0: each micro-batch holds as many examples as fit this many padded tokens (examples x the longest; "
+        "reward: chosen and rejected rows; DPO: its shared sequence, or TRL's two), length-grouped "
+        "(common/token_budget.py); per_device_train_batch_size then sizes only eval batches. 0: "
+        "per_device_train_batch_size examples a micro-batch", ge=0)
     offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
     liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)")
     mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)
@@ -115,6 +120,9 @@ class TrainArgs:
     def check(self):
         if self.max_steps == 0:
             raise ConfigError("field 'max_steps' must be -1 (train num_train_epochs) or at least 1, got 0", "max_steps")
+        if self.max_tokens_per_batch and self.group_by_length:
+            raise ConfigError("max_tokens_per_batch batches are length-grouped already: set group_by_length false",
+                              "group_by_length")
 
 
 # --- the stages ------------------------------------------------------------------------------------
@@ -234,6 +242,9 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
     def check(self):
         require(self, "sft_run")
         require(self, "reward_run")
+        if self.max_tokens_per_batch:
+            raise ConfigError("max_tokens_per_batch is for SFT, the reward model and DPO; GRPO's micro-batches are "
+                              "its sampled completions", "max_tokens_per_batch")
         # TRL samples per_device x accumulation x processes completions at once, in whole groups.
         sampled = self.per_device_train_batch_size * self.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", 1))
         if sampled % self.num_generations:
@@ -271,6 +282,9 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs):
 
     def check(self):
         require(self, "sft_run")
+        if self.max_tokens_per_batch and self.loss == "orpo":
+            raise ConfigError("max_tokens_per_batch is for dpo; ORPO runs per_device_train_batch_size pairs a "
+                              "micro-batch", "max_tokens_per_batch")
 
 
 @dataclass

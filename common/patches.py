@@ -8,6 +8,8 @@ forward or a trainer's data behind the config's back.
 | --- | --- | --- |
 | unmask_right_padding | always (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
+| batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (common/token_budget.py) |
+| weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
 | offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
@@ -19,6 +21,7 @@ import logging
 
 import torch
 
+from common import token_budget
 from common.config import TrainArgs
 from common.model import unwrap_peft
 
@@ -33,6 +36,12 @@ def apply(trainer, config: TrainArgs) -> list[str]:
         applied.append("shared_prompt")
     if config.group_by_length and add_length_column(trainer):
         applied.append("add_length_column")
+    if config.max_tokens_per_batch:
+        token_budget.batch_by_tokens(trainer, config.max_tokens_per_batch)
+        applied.append("batch_by_tokens")
+        if token_budget.is_pairwise(trainer):  # TRL's reward and DPO losses: a mean per micro-batch
+            token_budget.weigh_pairs_per_step(trainer)
+            applied.append("weigh_pairs_per_step")
     if config.offload_activations:
         offload_saved_activations(trainer.model)
         applied.append("offload_saved_activations")

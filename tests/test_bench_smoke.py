@@ -131,6 +131,9 @@ def test_one_sft_measurement_through_the_pipeline(tiny_model, tmp_path):
     b.sft("sft_real_ours", "real", b.sft_lengths, True)
     (row,) = b.results["rows"]
     assert row["setting"] == "ours" and row["group_by_length"] and row["peak_gib"] is None
+    # the recipe's token budget (6,144 for 8 x 768), scaled as --tiny scales lengths (/ 8) and batches (4 for 8)
+    assert row["max_tokens_per_batch"] == 6144 // 8 // 2 == 384 and row["per_device"] is None
+    assert row["padded_tokens_per_micro_batch"] <= 384 and row["rows_per_micro_batch"] > 4  # more than 4 examples
     assert row["real_tokens"] > 0 and row["tokens_per_s"] > 0 and row["real_share"] > 0.9
     assert "sft_real_ours" in bench.table(b.results)
 

@@ -35,3 +35,15 @@ def test_length_column_survives_the_column_filter(tiny_model):
     assert add_length_column(trainer)
     kept = trainer._remove_unused_columns(trainer.train_dataset)
     assert "length" in kept.column_names and kept["length"] == [3] * 4
+
+
+def test_trainer_hooks_of_token_budget_batches_still_exist():
+    # common.token_budget: the Trainer's column filter (private), the step's micro-batches fetched in
+    # get_batch_samples, and training_step reading loss_is_scaled_for_ga (transformers >= 5.19).
+    import transformers
+    trainer = transformers.Trainer
+    assert callable(getattr(trainer, "_remove_unused_columns", None))
+    assert list(inspect.signature(trainer.get_batch_samples).parameters) == ["self", "epoch_iterator", "num_batches",
+                                                                              "device"]
+    assert "get_batch_samples" in inspect.getsource(trainer._run_epoch)
+    assert "self.loss_is_scaled_for_ga" in inspect.getsource(trainer.training_step)
