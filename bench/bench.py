@@ -362,6 +362,7 @@ class Bench:
         r = train_run(trainer, ga, ours)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "per_device": None if budget else cfg.per_device_train_batch_size, "max_tokens_per_batch": budget,
+                     "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "grad_accum": ga, "checkpointing": cfg.gradient_checkpointing,
                      "group_by_length": bool(budget) or (cfg.group_by_length and ours),
                      "liger": cfg.liger_kernel and ours, **r})
@@ -676,7 +677,8 @@ class Bench:
         r = train_run(trainer, ga, ours)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
-                     "max_tokens_per_batch": budget, "grad_accum": ga,
+                     "max_tokens_per_batch": budget, "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
+                     "grad_accum": ga,
                      "group_by_length": bool(budget) or (cfg.group_by_length and ours),
                      "liger": cfg.liger_kernel and ours, **r})
         del trainer
@@ -821,6 +823,8 @@ class Bench:
             if "uniform" in self.args.batches:
                 g("sft uniform ours", lambda: self.sft("sft_uniform_ours", "uniform", uniform_sft, True), 40)
             g("sft real ours", lambda: self.sft("sft_real_ours", "real", S, True), 40)
+            # real lengths padded to a multiple of 64: a few shapes, seen again (pad_to_multiple_of)
+            g("sft real ours pad64", lambda: self.sft("sft_real_ours_pad64", "real", S, True, pad_to_multiple_of=64), 40)
         if "long" in sections:
             g("long ours", lambda: self.long(True), 45)
             g("long ours chunked", lambda: self.long(True, mlp_chunk_tokens=4096), 45)
@@ -829,6 +833,8 @@ class Bench:
             if "uniform" in self.args.batches:
                 g("reward uniform ours", lambda: self.reward("reward_uniform_ours", "uniform", uniform_rw, True), 40)
             g("reward real ours", lambda: self.reward("reward_real_ours", "real", self.reward_lengths, True), 40)
+            g("reward real ours pad64", lambda: self.reward("reward_real_ours_pad64", "real", self.reward_lengths, True,
+                                                            pad_to_multiple_of=64), 40)
         self.other_resident = 0.0
         if "grpo" in sections:
             g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else 3), 60)

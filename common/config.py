@@ -110,6 +110,9 @@ class TrainArgs:
         "reward: chosen and rejected rows; DPO: its shared sequence, or TRL's two), length-grouped "
         "(common/token_budget.py); per_device_train_batch_size then sizes only eval batches. 0: "
         "per_device_train_batch_size examples a micro-batch", ge=0)
+    pad_to_multiple_of: int = arg(
+        0, "> 0: each training batch is padded to a multiple of this many tokens, so real-length batches come in "
+        "a few shapes that the GPU's allocator and kernels see again (bench/RESULTS.md); 0: to the longest", ge=0)
     offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
     liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)")
     mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)

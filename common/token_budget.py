@@ -79,6 +79,13 @@ class TokenBudgetBatchSampler(Sampler):
 
 
 def example_sizes(trainer) -> tuple[list[int], int]:
+    """Each example's padded length (rounded up to `pad_to_multiple_of`, as the collators pad) and rows."""
+    lengths, rows = _example_lengths(trainer)
+    multiple = getattr(trainer.args, "pad_to_multiple_of", None) or 1
+    return [-(-n // multiple) * multiple for n in lengths], rows
+
+
+def _example_lengths(trainer) -> tuple[list[int], int]:
     """Each training example's padded length and rows per example, from the trainer's tokenised
     dataset as its collator will pad it (SFT: input_ids; reward: chosen_ids, rejected_ids; DPO:
     prompt_ids, chosen_ids, rejected_ids, replies cut to max_length as TRL's collator cuts them)."""

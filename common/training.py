@@ -85,9 +85,16 @@ def trainer_args(cls, config: TrainArgs, run, **extra):
         report_to=["wandb"] if config.report_to == "wandb" else "none",
         disable_tqdm=True,
         **precision_flags(),
+        **_padding(cls, config),
         **extra,
     )
     return args
+
+
+def _padding(cls, config: TrainArgs) -> dict:
+    """TRL's collators pad to a multiple of pad_to_multiple_of (every TRL config has the field)."""
+    has = "pad_to_multiple_of" in {f.name for f in dataclasses.fields(cls)}
+    return {"pad_to_multiple_of": config.pad_to_multiple_of} if has and config.pad_to_multiple_of else {}
 
 
 def _checkpointing(cls, config: TrainArgs) -> dict:
