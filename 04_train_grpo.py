@@ -47,7 +47,8 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
     rollout = None
     if config.rollout_backend == "static" and supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
-        rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size)
+        rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
+                               config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
     run.manifest["patches"] = patches.apply(trainer, config)

@@ -740,8 +740,10 @@ class Bench:
         gens = timing["rollout_s"][1:] or timing["rollout_s"]
         toks = timing["new_tokens"][1:] or timing["new_tokens"]
         premises_per_step = per_step / cfg.num_generations
-        self.record({"stage": "grpo", "name": "grpo_" + ("ours" if ours else "trl"), "setting": "ours" if ours
+        dense = "_bf16_rollouts" if cfg.rollout_weights == "bf16" else ""
+        self.record({"stage": "grpo", "name": "grpo_" + ("ours" if ours else "trl") + dense, "setting": "ours" if ours
                      else "trl", "rollout_backend": cfg.rollout_backend, "rollout_batch": cfg.rollout_batch_size,
+                     "rollout_weights": cfg.rollout_weights,
                      "completions_per_step": per_step,
                      "generation_batch": per_step, "max_completion_length": cfg.max_completion_length,
                      "steps_timed": len(timed), "step_seconds": [round(s, 2) for s in secs],
@@ -841,6 +843,8 @@ class Bench:
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
+            # rollouts on a bf16 copy of the frozen base (about 14 GB more on the 8B shape)
+            g("grpo ours bf16 rollouts", lambda: self.grpo(True, 2 if self.tiny else 3, rollout_weights="bf16"), 60)
 
 def _allocated():
     return round(torch.cuda.memory_allocated() / GIB, 3) if torch.cuda.is_available() else None

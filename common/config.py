@@ -241,6 +241,10 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
         "static", "static: common/generation.py's decoder (static KV cache, one CUDA graph a token, unmerged "
         "LoRA); hf: TRL's transformers generate")
     rollout_batch_size: int = arg(64, "sequences sampled at once by the static decoder", ge=1)
+    rollout_weights: Literal["nf4", "bf16"] = arg(
+        "nf4", "static rollouts: nf4 samples on the 4-bit base as it trains; bf16 on a bf16 copy of the frozen "
+        "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
+        "sampling and training stay one policy without dequantising every weight each token")
 
     def check(self):
         require(self, "sft_run")
@@ -248,6 +252,9 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
         if self.max_tokens_per_batch:
             raise ConfigError("max_tokens_per_batch is for SFT, the reward model and DPO; GRPO's micro-batches are "
                               "its sampled completions", "max_tokens_per_batch")
+        if self.rollout_weights == "bf16" and self.rollout_backend != "static":
+            raise ConfigError("rollout_weights: bf16 is for the static decoder (rollout_backend: static)",
+                              "rollout_weights")
         # TRL samples per_device x accumulation x processes completions at once, in whole groups.
         sampled = self.per_device_train_batch_size * self.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", 1))
         if sampled % self.num_generations:

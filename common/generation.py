@@ -8,6 +8,7 @@ adapter is not merged: generation runs the very modules and weights that trainin
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -220,10 +221,43 @@ def _capture(step, state):
         return None
 
 
-def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64):
+@contextlib.contextmanager
+def dense_base_weights(model):
+    """Inside: every 4-bit linear layer of the base runs `F.linear` on a bf16 copy of its weight,
+    dequantised once and kept on the model (`_dense_base`, about 2 bytes a weight) for later rollouts.
+    The base is frozen, so the copy never goes stale; the LoRA layers stay unmerged on top and are the
+    live trained ones. A decode step then reads bf16 weights instead of dequantising every 4-bit
+    weight for each token."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit
+    cache = model.__dict__.setdefault("_dense_base", {})
+    swapped = []
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        if name not in cache:
+            dtype = module.compute_dtype or torch.bfloat16
+            cache[name] = dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
+        swapped.append(module)
+        module.forward = _dense_linear(cache[name], module.bias)
+    try:
+        yield
+    finally:
+        for module in swapped:
+            del module.forward  # the class's own forward again
+
+
+def _dense_linear(weight, bias):
+    def forward(x):  # as Linear4bit: computed in its compute dtype, returned in the input's
+        return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
+    return forward
+
+
+def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, weights: str = "nf4"):
     """A TRL `rollout_func` for GRPOTrainer: sampled completions from `decode` for the trainer's policy
     (the 4-bit base with its live LoRA adapter, in eval mode while sampling), `batch_size` sequences at
-    a time. Its prompts are tokenised exactly as TRL does."""
+    a time. Its prompts are tokenised exactly as TRL does. weights "bf16": the base's linear layers
+    run on their bf16 copies while sampling (`dense_base_weights`)."""
     def rollout(prompts, trainer):
         tokenizer = trainer.processing_class
         if hasattr(trainer, "_tokenize_prompts"):
@@ -236,9 +270,10 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64):
         model.eval()
         eos = list(getattr(trainer, "eos_token_ids", None) or eos_ids(model, tokenizer))
         completions = []
-        for start in range(0, len(prompt_ids), batch_size):
-            completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,
-                                  tokenizer.pad_token_id, temperature=temperature)
+        with dense_base_weights(model) if weights == "bf16" else contextlib.nullcontext():
+            for start in range(0, len(prompt_ids), batch_size):
+                completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,
+                                      tokenizer.pad_token_id, temperature=temperature)
         model.train(was_training)
         return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completions, "logprobs": None}
     return rollout

@@ -68,6 +68,37 @@ def test_sampled_decode_stops_at_end_token(lora_tiny):
     assert all(tok.eos_token_id not in o[:-1] for o in out)  # cut right after the first end token
 
 
+def test_rollouts_on_bf16_base_weights_equal_the_4bit_decode_and_follow_the_live_lora(tiny_model):
+    """rollout_weights: bf16. The base's 4-bit linears run on bf16 copies made once; the greedy tokens
+    are those of the 4-bit decode (itself HF generate's, above), and after the LoRA moves (a training
+    step) they still are: the copies hold the frozen base only."""
+    from common.config import ModelArgs
+    from common.generation import decode, dense_base_weights, eos_ids
+    from common.model import CAUSAL_LM, load_model, load_tokenizer
+    torch.manual_seed(0)
+    args = ModelArgs(model_name_or_path=str(tiny_model))
+    tok = load_tokenizer(args)
+    model = load_model(args, CAUSAL_LM, tokenizer=tok).eval()
+    prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
+    eos = eos_ids(model, tok)
+
+    def greedy():
+        return decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, prefill_tokens=40)
+
+    for seed in (1, 2):  # two different adapters: the second one after the bf16 copies exist
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        four_bit = greedy()
+        with dense_base_weights(model):
+            dense = greedy()
+        assert dense == four_bit, seed
+        assert greedy() == four_bit  # the 4-bit forward is back after the rollout
+    assert len(model._dense_base) == 7 * len(model.get_base_model().model.layers)  # every projection, once
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: CUDA-graph decode (bench/bench.py measures it)")
 def test_gpu_cuda_graph_decode_equals_eager(lora_tiny):
     from common.generation import GRAPH_FAILURES, decode
