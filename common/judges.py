@@ -71,11 +71,11 @@ def gain_lines(results: dict, judges: dict) -> list[str]:
     for model, r in results.items():
         if model == "base" or training is None:
             continue
-        own = r["judges"][training]
+        own = r["by_judge"][training]
         if own["win_rate_vs_base_ci95"][0] <= 0.5:
             continue  # no gain under the training judge: nothing to confirm
         for name in held_out:
-            other = r["judges"][name]
+            other = r["by_judge"][name]
             said = (f"{model} beats the base under its training judge {training} (win rate "
                     f"{_ci(own, 'win_rate_vs_base')})")
             if other["win_rate_vs_base_ci95"][0] > 0.5:
