@@ -38,6 +38,7 @@ from common.rewards import (
     pointwise_dataset,
     pointwise_loss,
     preference_dataset,
+    set_up_like_reward_trainer,
 )
 from common.runs import Run, RunError
 from common.tasks import get_task
@@ -77,6 +78,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                                 processing_class=tokenizer, train_dataset=train_set)
     else:  # the scorer already cut every reply to max_length: nothing is dropped
         train_set = pointwise_dataset(train_rows, scorer)
+        set_up_like_reward_trainer(model, config.gradient_checkpointing)
         trainer = Trainer(model=model, args=trainer_args(TrainingArguments, config, run), train_dataset=train_set,
                           processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
                           compute_loss_func=pointwise_loss)

@@ -23,7 +23,7 @@ import torch
 
 from common.config import ModelArgs, RewardStageConfig, load_run_config
 from common.data import fit_prompt, fit_reply, read_json, token_ids, truncate_tokens
-from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer
+from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer, unwrap_peft
 from common.runs import RunError
 
 log = logging.getLogger("pipeline")
@@ -75,6 +75,21 @@ class PadRight:
                 "attention_mask": torch.tensor([[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"]))
                                                 for e in examples]),
                 "labels": torch.tensor([float(e["labels"]) for e in examples])}
+
+
+def set_up_like_reward_trainer(model, gradient_checkpointing: bool) -> None:
+    """The pointwise judge's model set up as TRL's RewardTrainer sets up the pairwise one, so that the
+    two objectives differ only in their loss: dropout off (RewardConfig.disable_dropout); a 4-bit
+    judge's trainable LoRA and head weights in bf16 (TRL's QLoRA rule; the saved adapter then reloads
+    to exactly the scores the judge was measured with); input gradients for checkpointing a PeftModel."""
+    from trl.trainer.utils import disable_dropout_in_model
+    disable_dropout_in_model(model)
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(unwrap_peft(model), "is_loaded_in_4bit", False):
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+    if gradient_checkpointing and hasattr(model, "get_base_model"):
+        model.enable_input_require_grads()
 
 
 def pointwise_loss(outputs, labels, num_items_in_batch=None):
