@@ -138,7 +138,7 @@ def test_pointwise_judge_saves_reloads_and_scores_like_it_trained(pipeline):
     test = load_split(pipeline["pairs"], "test")[: len(saved)]
     scorer = RewardScorer.from_run(held_out)
     again = scorer.score([r["prompt"] for r in test], [r["rejected"] for r in test])
-    assert again == pytest.approx([s["rejected_score"] for s in saved], abs=1e-4)
+    assert again == [s["rejected_score"] for s in saved]  # bit-identical, as the pairwise judge (test_model.py)
     # both objectives get the same audit on the same kind of held-out pairs
     pairwise = json.loads((pipeline["reward"] / "judge_audit.json").read_text())
     pointwise = json.loads((held_out / "judge_audit.json").read_text())
