@@ -1,23 +1,26 @@
 """Stage 03: a reward model (4-bit base + rsLoRA + a one-number score head, or a fully fine-tuned
-encoder classifier: `judge_backbone`) on winner vs loser.
+encoder classifier: `judge_backbone`) on winner vs loser, pairwise or pointwise (`judge_objective`).
 
     python 03_train_reward.py --config configs/smol/03_train_reward.yaml --pairs_run runs/Nov30_Pairs_Run1
 
-TRL's RewardTrainer (Bradley-Terry loss) on the train split's pairs. Both replies are cut to fit
-`max_length` beforehand: the trainer drops over-long pairs instead of cutting them, which would
+pairwise: TRL's RewardTrainer (Bradley-Terry loss) on the pairs of `train_split`. pointwise: a
+classifier on single replies, the winner labelled delta (1) and the loser no delta (0), binary
+cross-entropy on the same one-number head (transformers' Trainer). Replies are cut to fit
+`max_length` beforehand: RewardTrainer drops over-long pairs instead of cutting them, which would
 undo the length balancing of stage 01 (what it drops anyway is counted). Writes the adapter with
-its score head (adapter/), dev_scores.jsonl, and metrics.json with the dev `accuracy`,
-`mean_margin`, `length_only_accuracy` and `score_length_spearman`, and judge_audit.json
-(common/audit.py): the judge's dev accuracy next to a length-only and a bag-of-words baseline
-trained on the same train pairs, its score-length correlation, shortcut probes and a verdict.
-The manifest's `base` is the pipeline's base (model_name_or_path, what stages 04/05 lock on) and
-its `judge` the judge's own backbone.
+its score head (adapter/), train_posts.json (the posts trained on: 05 refuses a judge that would
+score one of them), <audit_split>_scores.jsonl, and metrics.json with the `audit_split` (default dev)
+`accuracy`, `mean_margin`, `length_only_accuracy` and `score_length_spearman`, and judge_audit.json
+(common/audit.py): the judge's accuracy next to a length-only and a bag-of-words baseline trained on
+the same pairs, its score-length correlation, shortcut probes and a verdict. `train_split: dev` (or
+test) makes a held-out judge for 05's --judge_runs (docs/results.md). The manifest's `base` is the
+pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` the judge's own backbone.
 """
 from __future__ import annotations
 
 import logging
 
-from transformers import set_seed
+from transformers import Trainer, TrainingArguments, set_seed
 from trl import RewardConfig, RewardTrainer
 
 from common import patches
@@ -25,9 +28,18 @@ from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig
 from common.data import load_split, train_and_dev, write_jsonl
+from common.judges import write_train_posts
 from common.metrics import preference_metrics
 from common.model import fingerprint
-from common.rewards import RewardScorer, judge_fingerprint, preference_dataset
+from common.rewards import (
+    PadRight,
+    RewardScorer,
+    judge_fingerprint,
+    pointwise_dataset,
+    pointwise_loss,
+    preference_dataset,
+    set_up_like_reward_trainer,
+)
 from common.runs import Run, RunError
 from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
@@ -47,17 +59,29 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     run.save_manifest()
     run.start_tracking()
 
-    # 2. Data: winner-vs-loser pairs of the train split; dev for the judge's report.
-    train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
-    log.info("reward model on %d pairs, judged on %d dev pairs", len(train_rows), len(dev_rows))
+    # 2. Data: winner-vs-loser pairs of the split the judge trains on (its posts recorded for 05's
+    #    overlap check); the held-out audit split for the judge's report.
+    train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples,
+                                         config.train_split, config.audit_split)
+    write_train_posts(run.dir, config.train_split, train_rows)
+    log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
+             config.train_split, len(dev_rows), config.audit_split)
 
     # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
-    #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs.
+    #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
+    #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
     scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size)
     model, tokenizer = scorer.model, scorer.tokenizer
-    args = trainer_args(RewardConfig, config, run, max_length=config.max_length)
-    train_set = preference_dataset(train_rows, scorer)
-    trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_set)
+    if config.judge_objective == "pairwise":
+        train_set = preference_dataset(train_rows, scorer)
+        trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length),
+                                processing_class=tokenizer, train_dataset=train_set)
+    else:  # the scorer already cut every reply to max_length: nothing is dropped
+        train_set = pointwise_dataset(train_rows, scorer)
+        set_up_like_reward_trainer(model, config.gradient_checkpointing)
+        trainer = Trainer(model=model, args=trainer_args(TrainingArguments, config, run), train_dataset=train_set,
+                          processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
+                          compute_loss_func=pointwise_loss)
     run.manifest["patches"] = patches.apply(trainer, config)
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:
@@ -67,20 +91,23 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     metrics = train(trainer, run)
     save_adapter(model, tokenizer, run)
 
-    # 5. Judge the dev split with the same scorer that stages 04 and 05 use.
+    # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
     prompts = [r["prompt"] for r in dev_rows]
     chosen = scorer.score(prompts, [r["chosen"] for r in dev_rows])
     rejected = scorer.score(prompts, [r["rejected"] for r in dev_rows])
-    write_jsonl(run.dir / "dev_scores.jsonl", [{"id": r["id"], "chosen_score": c, "rejected_score": j}
-                                               for r, c, j in zip(dev_rows, chosen, rejected)])
+    write_jsonl(run.dir / f"{config.audit_split}_scores.jsonl", [
+        {"id": r["id"], "chosen_score": c, "rejected_score": j} for r, c, j in zip(dev_rows, chosen, rejected)])
     dev = preference_metrics(dev_rows, chosen, rejected)
-    log.info("dev: %s", dev)
-    metrics.update(dev, metrics_split="dev", n_train_pairs=len(train_rows), n_train_pairs_dropped_too_long=n_dropped)
+    log.info("%s: %s", config.audit_split, dev)
+    metrics.update(dev, metrics_split=config.audit_split, judge_objective=config.judge_objective,
+                   train_split=config.train_split, n_train_pairs=len(train_rows),
+                   n_train_pairs_dropped_too_long=n_dropped)
 
     # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
-    metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected,
-                                         {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
-                                          for s in config.audit_extra_splits}, config.seed)
+    extra = {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
+             for s in config.audit_extra_splits if s != config.audit_split}
+    metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,
+                                               config.seed, split=config.audit_split)
     run.finish(metrics)
 
 

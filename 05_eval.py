@@ -10,7 +10,11 @@ greedy reply to the prompt cut to `max_prompt_tokens` (for a paper: its head, th
 report.md says so). Replies are compared with the real ones (BLEU-4, ROUGE-1/2/L; against every
 real review of a paper). With a `--reward_run`, the stage-03 judge scores every reply, and each
 adapter's win rate against the base comes with a 95% bootstrap interval, and so does its
-length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval). The task
+length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval). With
+`--judge_runs`, more judges score the same replies, each reported under its run name (eval.json
+`judges` and each model's `by_judge`, a table in report.md); a judge that trained on any scored
+premise is refused, and the report says when a model gains under its training judge (--reward_run)
+but not under a held-out one (common/judges.py). The task
 adds its own metrics (review: the rating parsed from each review against the reviewers' mean, with
 a constant and a human baseline). Writes eval.json, replies.jsonl, histograms (PNG, also to W&B)
 and a readable report.md.
@@ -23,12 +27,13 @@ from pathlib import Path
 from transformers import set_seed
 
 from common.cli import cli
-from common.config import EvalConfig
+from common.config import EvalConfig, load_run_config
 from common.data import fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import generate_replies
+from common.judges import describe_judges, gain_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.report import log_plots_to_wandb, plot_distributions, write_report
+from common.report import judges_section, log_plots_to_wandb, plot_distributions, write_report
 from common.rewards import RewardScorer
 from common.runs import Run
 from common.tasks import get_task
@@ -38,10 +43,12 @@ log = logging.getLogger("pipeline")
 
 def main(config: EvalConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs (all finished, all on this base, all descended from --pairs_run:
-    #    the held-out premises below were never trained on).
+    #    the held-out premises below were never trained on; other judges, --judge_runs, may come from
+    #    another pairs run of the task).
     set_seed(config.seed)
     inputs = {"pairs_run": config.pairs_run, "reward_run": config.reward_run, "sft_run": config.sft_run,
-              **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)}}
+              **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)},
+              **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)}}
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
     adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
@@ -53,6 +60,14 @@ def main(config: EvalConfig, overrides: dict) -> None:
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
     references = [task.references(r) for r in premises]
     log.info("evaluating %s on %d premises", ["base", *adapters], len(premises))
+
+    # 2b. The judges, before anything is generated: none may have trained on a scored premise; a judge
+    #     that also shares no post with the policy's train split is held out (common/judges.py).
+    judge_runs = {Path(p).name: p for p in ([config.reward_run] if config.reward_run else []) + config.judge_runs}
+    judges = describe_judges(
+        judge_runs, Path(config.reward_run).name if config.reward_run else None, premises,
+        {r["group_id"] for r in load_split(config.pairs_run, "train")} if config.judge_runs else set(),
+        {name: load_run_config(path) for name, path in judge_runs.items()})
 
     # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base.
     replies = {}
@@ -75,22 +90,32 @@ def main(config: EvalConfig, overrides: dict) -> None:
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
     results = {name: {"n": len(texts), **text_metrics(texts, references),
                       "reply_words_mean": sum(words[name]) / max(1, len(texts))} for name, texts in replies.items()}
-    rewards, verdict = {}, None
+    rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
+    for name, path in judge_runs.items():  # one judge in memory at a time
+        judge = RewardScorer.from_run(path, batch_size=config.batch_size)
+        scores = {model: judge.score(prompts, texts) for model, texts in replies.items()}
+        del judge
+        for model in replies:
+            results[model].setdefault("by_judge", {})[name] = judge_metrics(
+                scores[model], scores["base"], words[model], words["base"], config.seed)
+        if judges[name]["role"] == "training":
+            rewards = scores
+            for model in replies:
+                results[model].update(results[model]["by_judge"][name])
     if config.reward_run:
-        judge = RewardScorer.from_run(config.reward_run, batch_size=config.batch_size)
         run.manifest["judge"] = run.inputs["reward_run"].get("judge")
-        run.save_manifest()
-        rewards = {name: judge.score(prompts, texts) for name, texts in replies.items()}
-        for name in replies:
-            results[name].update(judge_metrics(rewards[name], rewards["base"], words[name], words["base"], config.seed))
         audit = Path(config.reward_run) / "judge_audit.json"
         verdict = read_json(audit)["verdict"]["text"] if audit.is_file() else None
+    run.manifest["judges"] = {name: read_json(Path(path) / "manifest.json").get("judge")
+                              for name, path in judge_runs.items()}
+    run.save_manifest()
     task_report = task.evaluate(premises, replies, results, config.pairs_run)
     for name in results:
         log.info("%s: %s", name, results[name])
 
     # 5. Write eval.json, every reply with its scores, the plots and the report; mark done.
-    write_json(run.dir / "eval.json", {**results, **task_report["baselines"]})
+    judge_info = {"judges": judges} if judges else {}
+    write_json(run.dir / "eval.json", {**results, **task_report["baselines"], **judge_info})
     write_jsonl(run.dir / "replies.jsonl", [
         {"id": p["id"], "premise": p.get("premise") or p.get("paper", "")[:2000], "reference": p["chosen"],
          **{name: {"reply": replies[name][i], **({"reward": rewards[name][i]} if rewards else {}),
@@ -98,10 +123,13 @@ def main(config: EvalConfig, overrides: dict) -> None:
         for i, p in enumerate(premises)])
     plots = {**plot_distributions(run.dir, replies, rewards), **task_report["plots"](run.dir)}
     log_plots_to_wandb(plots)
+    sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
+                                          if config.judge_runs else [])
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
-                          config.n_report_samples, plots, verdict, task_report["sections"],
+                          config.n_report_samples, plots, verdict, sections,
                           reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})")
-    run.finish({"models": results, **task_report["baselines"], "n_premises": len(premises), "report": str(report)})
+    run.finish({"models": results, **task_report["baselines"], **judge_info, "n_premises": len(premises),
+                "report": str(report)})
     print(f"report: {report.resolve()}")
 
 

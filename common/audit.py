@@ -236,12 +236,14 @@ def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: li
 
 
 def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
-                      rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0) -> dict:
-    """Stage 03's step: score the extra held-out splits, audit, write judge_audit.json beside the
-    adapter, log the verdict; returns the summary that goes into metrics.json."""
+                      rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0,
+                      split: str = "dev") -> dict:
+    """Stage 03's step: score the extra held-out splits, audit on `dev` (the pairs of `split`), write
+    judge_audit.json beside the adapter, log the verdict; returns the summary that goes into
+    metrics.json. It reads only scores, so a pairwise and a pointwise judge are audited alike."""
     if not dev or not train:
-        write_json(Path(run_dir) / "judge_audit.json", {"skipped": "no train or dev pairs to audit on"})
-        log.warning("judge audit skipped: no train or dev pairs")
+        write_json(Path(run_dir) / "judge_audit.json", {"skipped": f"no train or {split} pairs to audit on"})
+        log.warning("judge audit skipped: no train or %s pairs", split)
         return {"skipped": True}
     extra = {}
     for name, rows in extra_splits.items():
@@ -249,13 +251,13 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
             prompts = [r["prompt"] for r in rows]
             extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
                            scorer.score(prompts, [r["rejected"] for r in rows]))
-    result = audit(scorer.score, train, dev, chosen, rejected, "dev", extra, seed)
+    result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed)
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
-    summary = {"accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],
-               "length_only_baseline_accuracy": result["baselines"]["length_only"].get("dev_accuracy"),
-               "bag_of_words_baseline_accuracy": result["baselines"]["bag_of_words"].get("dev_accuracy"),
+    summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],
+               "length_only_baseline_accuracy": result["baselines"]["length_only"].get(f"{split}_accuracy"),
+               "bag_of_words_baseline_accuracy": result["baselines"]["bag_of_words"].get(f"{split}_accuracy"),
                "falls_for": result["verdict"]["falls_for"]}
     for name, metrics in result["other_splits"].items():
-        summary[f"{name}_accuracy"] = metrics["accuracy"]
+        summary[f"{name}_accuracy"], summary[f"{name}_accuracy_ci95"] = metrics["accuracy"], metrics["accuracy_ci95"]
     return summary

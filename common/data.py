@@ -120,12 +120,14 @@ def load_split(pairs_run: str | Path, split: str) -> list[dict]:
     return [row for _, row in read_jsonl(Path(pairs_run) / f"{split}.jsonl")]
 
 
-def train_and_dev(pairs_run: str | Path, max_train: int | None, max_dev: int | None) -> tuple[list, list]:
-    """A training stage's data: the train split (never empty) and the dev split, each cut to its maximum."""
-    train = load_split(pairs_run, "train")[:max_train]
+def train_and_dev(pairs_run: str | Path, max_train: int | None, max_dev: int | None,
+                  train_split: str = "train", dev_split: str = "dev") -> tuple[list, list]:
+    """A training stage's data: the split it trains on (never empty) and the held-out split it is
+    measured on, each cut to its maximum."""
+    train = load_split(pairs_run, train_split)[:max_train]
     if not train:
-        raise DataError(f"{pairs_run}: no train pairs to train on")
-    return train, load_split(pairs_run, "dev")[:max_dev]
+        raise DataError(f"{pairs_run}: no {train_split} pairs to train on")
+    return train, load_split(pairs_run, dev_split)[:max_dev]
 
 
 def one_per_group(rows: list[dict]) -> list[dict]:

@@ -89,6 +89,28 @@ def _with_ci(r: dict, key: str) -> str:
     return f"{r[key]:.2f} [{low:.2f}, {high:.2f}]"
 
 
+def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
+    """Every judge's verdict on every model, one table per judge (its run name, its kind, whether it
+    is the training judge or held out), then `lines` (common/judges.gain_lines)."""
+    roles = {"training": "the training judge (--reward_run)", "held_out": "held out: no post shared with the "
+             "policy's train split or the scored premises", "other": "another judge: it trained on posts of the "
+             "policy's train split, none of the scored premises"}
+    out = ["", "## Judges", "",
+           "The same replies scored by every judge. A policy trained against one judge can learn that judge's blind "
+           "spots; a judge it never trained against, on posts it never saw, checks that the gain is real."]
+    for name, judge in judges.items():
+        out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}), trained on the "
+                f"{judge['train_split']} split; {roles[judge['role']]}.", "",
+                "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |", "| --- | --- | --- | --- |"]
+        for model, r in results.items():
+            j = r["by_judge"][name]
+            out.append(f"| {model} | {_fmt(j['reward_mean'])} | {_with_ci(j, 'win_rate_vs_base')} | "
+                       f"{_with_ci(j, 'lc_win_rate_vs_base')} |")
+    if lines:
+        out += [""] + lines
+    return out
+
+
 def write_report(path: Path, run_name: str, results: dict, premises: list[dict], replies: dict, rewards: dict,
                  n_samples: int, plots: dict | None = None, judge_verdict: str | None = None,
                  sections: list[str] | None = None, reading: str = "the prompt") -> Path:

@@ -8,7 +8,9 @@ Two judge backbones (stage 03's `judge_backbone`):
   + rsLoRA + a one-number score head; input = the chat template of prompt + reply.
 - `encoder`: a plain encoder classifier (e.g. all-MiniLM-L6-v2), fully fine-tuned; input = the
   premise and the reply as a text pair ([CLS] premise [SEP] reply [SEP]), no chat template.
-Both are right-padded. `RewardScorer.from_run` rebuilds a finished stage-03 run's judge from that
+Both are right-padded. Either can be trained pairwise (winner vs loser, TRL's RewardTrainer) or
+pointwise (each reply alone, delta vs no delta, `judge_objective`); the scorer reads the one number
+the same way for both, so stages 04 and 05 use either unchanged. `RewardScorer.from_run` rebuilds a finished stage-03 run's judge from that
 run's own config, and refuses it if the backbone's files changed since (its `judge` fingerprint).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from common.config import ModelArgs, RewardStageConfig, load_run_config
 from common.data import fit_prompt, fit_reply, read_json, token_ids, truncate_tokens
-from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer
+from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer, unwrap_peft
 from common.runs import RunError
 
 log = logging.getLogger("pipeline")
@@ -50,6 +52,53 @@ def preference_dataset(rows: list[dict], scorer: "RewardScorer"):
     from datasets import Dataset
     return Dataset.from_list([{"chosen_ids": scorer.encode(r["prompt"], r["chosen"]),
                                "rejected_ids": scorer.encode(r["prompt"], r["rejected"])} for r in rows])
+
+
+def pointwise_dataset(rows: list[dict], scorer: "RewardScorer"):
+    """The pointwise judge's examples: every pair gives two single replies, the winner labelled 1 (it
+    earned a delta) and the loser 0, encoded by the scorer that later judges. Stage 01 balanced each
+    pair's lengths, so length cannot tell the labels apart here either."""
+    from datasets import Dataset
+    return Dataset.from_list([{"input_ids": scorer.encode(r["prompt"], r[key]), "labels": label}
+                              for r in rows for key, label in (("chosen", 1.0), ("rejected", 0.0))])
+
+
+class PadRight:
+    """Collates pointwise examples as the scorer pads them: right padding, attention mask, float labels."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad = pad_token_id
+
+    def __call__(self, examples: list[dict]) -> dict:
+        width = max(len(e["input_ids"]) for e in examples)
+        return {"input_ids": torch.tensor([e["input_ids"] + [self.pad] * (width - len(e["input_ids"])) for e in examples]),
+                "attention_mask": torch.tensor([[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"]))
+                                                for e in examples]),
+                "labels": torch.tensor([float(e["labels"]) for e in examples])}
+
+
+def set_up_like_reward_trainer(model, gradient_checkpointing: bool) -> None:
+    """The pointwise judge's model set up as TRL's RewardTrainer sets up the pairwise one, so that the
+    two objectives differ only in their loss: dropout off (RewardConfig.disable_dropout); a 4-bit
+    judge's trainable LoRA and head weights in bf16 (TRL's QLoRA rule; the saved adapter then reloads
+    to exactly the scores the judge was measured with); input gradients for checkpointing a PeftModel."""
+    from trl.trainer.utils import disable_dropout_in_model
+    disable_dropout_in_model(model)
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(unwrap_peft(model), "is_loaded_in_4bit", False):
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+    if gradient_checkpointing and hasattr(model, "get_base_model"):
+        model.enable_input_require_grads()
+
+
+def pointwise_loss(outputs, labels, num_items_in_batch=None):
+    """Binary cross-entropy of the score (a logit: log-odds of a delta) against the label. Summed and
+    divided by the examples of the whole accumulated batch, which is what the Trainer expects of a
+    `compute_loss_func` (it then does not divide by the accumulation steps again)."""
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(outputs.logits[:, 0].float(), labels.float(),
+                                                                reduction="sum")
+    return loss / (num_items_in_batch if num_items_in_batch is not None else labels.numel())
 
 
 class RewardScorer:

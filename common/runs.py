@@ -27,7 +27,10 @@ log = logging.getLogger("pipeline")
 
 # Which stage an input run must come from, by the name of its command-line field.
 INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Reward",),
-                "policy_runs": ("GRPO", "DPO", "ORPO")}
+                "policy_runs": ("GRPO", "DPO", "ORPO"), "judge_runs": ("Reward",)}
+# Inputs that may descend from another pairs run (same task, same base): 05's other judges, e.g. one
+# trained on other posts. What keeps their scores honest is 05's check of their training posts.
+OWN_LINEAGE = ("judge_runs",)
 
 
 class RunError(RuntimeError):
@@ -264,9 +267,10 @@ def lineage(manifest: dict, path: Path) -> str | None:
 def _common_lineage(manifests: dict, paths: dict) -> tuple[str | None, str | None]:
     """(pairs run, task) shared by every input run; different ones are refused, naming the runs."""
     found = {name: (lineage(m, Path(paths[name])), m.get("task")) for name, m in manifests.items() if m}
-    pairs = {p for p, _ in found.values() if p}
+    shared = {name: pt for name, pt in found.items() if name.split("[")[0] not in OWN_LINEAGE}
+    pairs = {p for p, _ in shared.values() if p}
     if len(pairs) > 1:
-        listing = "; ".join(f"--{name} {paths[name]} descends from {p}" for name, (p, _) in found.items())
+        listing = "; ".join(f"--{name} {paths[name]} descends from {p}" for name, (p, _) in shared.items())
         raise RunError(f"the input runs descend from different pairs runs ({listing}): a stage's inputs must share "
                        f"one pairs run, or held-out premises may have been trained on")
     tasks = {t for _, t in found.values() if t}

@@ -272,3 +272,24 @@ def test_eval_with_the_encoder_judge_reports_lc_win_rate_and_plots(encoder_pipel
     for png in ("reply_length_hist.png", "reward_hist.png"):
         assert (run / png).read_bytes()[:4] == b"\x89PNG" and f"({png})" in report
     assert "From the reward run's judge_audit.json" in report
+
+
+def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline):
+    """The pointwise objective on the encoder backbone: single replies, delta vs no delta, BCE."""
+    p = encoder_pipeline
+    reward = _run_dir(_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml", "--pairs_run",
+                             p["pairs"], "--judge_backbone", "encoder", "--judge_model_name_or_path", p["bert"],
+                             "--judge_objective", "pointwise", "--max_prompt_tokens", 32, "--max_length", 96,
+                             "--learning_rate", "1e-4", "--runs_dir", p["runs"]))
+    metrics = json.loads((reward / "metrics.json").read_text())
+    assert metrics["judge_objective"] == "pointwise" and metrics["global_step"] == 3
+    assert metrics["train"]["train_loss"] > 0 and metrics["n_train_pairs_dropped_too_long"] == 0
+    audit = json.loads((reward / "judge_audit.json").read_text())
+    assert set(audit["probes"]) == set(PROBE_NAMES) and audit["judge"]["n_pairs"] == 8
+    dev = load_split(p["pairs"], "dev")[:8]
+    saved = [json.loads(l) for l in (reward / "dev_scores.jsonl").read_text().splitlines()]
+    scorer = RewardScorer.from_run(reward)
+    assert scorer.kind == ENCODER
+    again = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
+    assert again == pytest.approx([s["chosen_score"] for s in saved], abs=1e-5)
+    assert len(set(again)) > 1  # a score per reply, not a constant

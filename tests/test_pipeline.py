@@ -21,10 +21,15 @@ def pipeline(tiny_model, pairs_run, tmp_path_factory) -> dict[str, Path]:
                                 "--sft_run", sft, "--reward_run", reward, *common))
     dpo = run_dir_of(run_stage("04_train_dpo.py", "--config", "configs/tiny/04_train_dpo.yaml", "--sft_run", sft,
                                *common))
+    # A held-out judge: pointwise, trained on the dev posts (the policy trains on train, eval scores test).
+    held_out = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
+                                    "--pairs_run", pairs_run, "--judge_objective", "pointwise", "--train_split", "dev",
+                                    "--audit_split", "test", "--run_name", "HeldOut_Judge", *common))
     proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
-                     "--reward_run", reward, "--sft_run", sft, "--policy_runs", grpo, dpo, *common)
-    return {"pairs": pairs_run, "sft": sft, "reward": reward, "grpo": grpo, "dpo": dpo, "eval": run_dir_of(proc),
-            "eval_stdout": proc.stdout, "runs": runs}
+                     "--reward_run", reward, "--judge_runs", held_out, "--sft_run", sft, "--policy_runs", grpo, dpo,
+                     *common)
+    return {"pairs": pairs_run, "sft": sft, "reward": reward, "grpo": grpo, "dpo": dpo, "held_out": held_out,
+            "eval": run_dir_of(proc), "eval_stdout": proc.stdout, "runs": runs}
 
 
 def test_every_stage_finished_with_its_artifacts(pipeline):
@@ -70,7 +75,9 @@ def test_wandb_runs_offline_inside_the_run_directory(pipeline):
 
 def test_eval_json_has_every_model_and_metric(pipeline):
     results = json.loads((pipeline["eval"] / "eval.json").read_text())
+    judges = results.pop("judges")
     assert set(results) == {"base", "sft", "grpo", "dpo"}  # GRPO and DPO on the same held-out premises
+    assert set(judges) == {pipeline["reward"].name, pipeline["held_out"].name}
     for name, metrics in results.items():
         for key in ("bleu", "rougeL", "reward_mean", "win_rate_vs_base"):
             assert isinstance(metrics[key], float), (name, key)
@@ -79,6 +86,65 @@ def test_eval_json_has_every_model_and_metric(pipeline):
     assert results["base"]["win_rate_vs_base"] == 0.5
     report = (pipeline["eval"] / "report.md").read_text()
     assert "| grpo |" in report and "| dpo |" in report and "real reply" in report
+
+
+def test_eval_with_two_judges_writes_both_sets_of_metrics(pipeline):
+    results = json.loads((pipeline["eval"] / "eval.json").read_text())
+    judges = results.pop("judges")
+    training, held_out = pipeline["reward"].name, pipeline["held_out"].name
+    assert judges[training]["role"] == "training" and judges[training]["objective"] == "pairwise"
+    assert judges[held_out]["role"] == "held_out" and judges[held_out]["objective"] == "pointwise"
+    assert judges[held_out]["train_split"] == "dev" and judges[held_out]["posts_shared_with_policy"] == 0
+    for name, metrics in results.items():
+        assert set(metrics["by_judge"]) == {training, held_out}
+        for judge in (training, held_out):
+            j = metrics["by_judge"][judge]
+            low, high = j["win_rate_vs_base_ci95"]
+            assert isinstance(j["reward_mean"], float) and 0 <= low <= j["win_rate_vs_base"] <= high <= 1
+            assert 0 <= j["lc_win_rate_vs_base"] <= 1
+        # the flat judge metrics stay the training judge's
+        assert metrics["reward_mean"] == metrics["by_judge"][training]["reward_mean"]
+    # the two judges score the same replies differently: they are different models
+    assert results["base"]["by_judge"][training]["reward_mean"] != results["base"]["by_judge"][held_out]["reward_mean"]
+    report = (pipeline["eval"] / "report.md").read_text()
+    assert "## Judges" in report and f"**{held_out}**: pointwise" in report and f"**{training}**: pairwise" in report
+    manifest = json.loads((pipeline["eval"] / "manifest.json").read_text())
+    assert set(manifest["judges"]) == {training, held_out} and "judge_runs[0]" in manifest["inputs"]
+
+
+def test_eval_refuses_a_judge_trained_on_the_premises_it_scores(pipeline):
+    # the training judge trained on the train split's posts: as another judge of the train split's premises
+    proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pipeline["pairs"],
+                     "--judge_runs", pipeline["reward"], "--split", "train", "--runs_dir", pipeline["runs"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: --judge_runs {pipeline['reward']}: judge {pipeline['reward'].name} trained on 4 of "
+                           f"the 4 premises it would score"), line
+    # the same judge on the test premises is fine (it is checked before anything is generated)
+    posts = set(json.loads((pipeline["reward"] / "train_posts.json").read_text())["posts"])
+    test_posts = {json.loads(line)["group_id"] for line in (pipeline["pairs"] / "test.jsonl").read_text().splitlines()}
+    assert posts and not posts & test_posts
+
+
+def test_pointwise_judge_saves_reloads_and_scores_like_it_trained(pipeline):
+    from common.data import load_split
+    from common.rewards import RewardScorer
+    held_out = pipeline["held_out"]
+    metrics = json.loads((held_out / "metrics.json").read_text())
+    assert metrics["judge_objective"] == "pointwise" and metrics["metrics_split"] == "test"
+    assert metrics["n_train_pairs"] == 16 and metrics["global_step"] == 3  # 16 dev pairs: 32 replies
+    assert json.loads((held_out / "train_posts.json").read_text())["split"] == "dev"
+    saved = [json.loads(line) for line in (held_out / "test_scores.jsonl").read_text().splitlines()]
+    test = load_split(pipeline["pairs"], "test")[: len(saved)]
+    scorer = RewardScorer.from_run(held_out)
+    again = scorer.score([r["prompt"] for r in test], [r["rejected"] for r in test])
+    assert again == [s["rejected_score"] for s in saved]  # bit-identical, as the pairwise judge (test_model.py)
+    # both objectives get the same audit on the same kind of held-out pairs
+    pairwise = json.loads((pipeline["reward"] / "judge_audit.json").read_text())
+    pointwise = json.loads((held_out / "judge_audit.json").read_text())
+    assert pointwise["split"] == "test" and set(pointwise) == set(pairwise)
+    assert set(pointwise["probes"]) == set(pairwise["probes"]) and pointwise["verdict"]["text"]
+    assert "test_accuracy" in pointwise["baselines"]["bag_of_words"]
 
 
 def test_grpo_logs_reward_and_length_per_step(pipeline):

@@ -141,6 +141,27 @@ def test_inputs_from_different_pairs_runs_are_refused_naming_them(tmp_path):
     assert run.manifest["pairs_run"] == str(p1.resolve()) and run.manifest["task"] == "cmv"
 
 
+def test_another_judge_may_come_from_another_pairs_run_but_not_another_task_or_base(tmp_path):
+    p1 = _finished(tmp_path / "P1", "Pairs", artifacts={"test.jsonl": "{}\n"})
+    p2 = _finished(tmp_path / "P2", "Pairs", artifacts={"test.jsonl": "{}\n"})
+    judge = _finished(tmp_path / "J", "Reward", pairs_run=p2, base=BASE, artifacts={"adapter/a": "j"})
+    config, _ = parse_config(EvalConfig, ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", str(p1),
+                                          "--judge_runs", str(judge), "--runs_dir", str(tmp_path / "runs")])
+    run = Run("Eval", config, {}, inputs={"pairs_run": p1, "judge_runs[0]": judge}, argv=["test"])
+    assert run.manifest["pairs_run"] == str(p1.resolve())  # the eval's lineage is its own pairs run's
+    with pytest.raises(RunError, match="different pairs runs"):  # as the training judge it is refused
+        Run("Eval", config, {}, inputs={"pairs_run": p1, "reward_run": judge}, argv=["test"])
+    review = _finished(tmp_path / "JR", "Reward", pairs_run=p2, base=BASE, task="review", artifacts={"adapter/a": "r"})
+    with pytest.raises(RunError, match="different tasks"):
+        Run("Eval", config, {}, inputs={"pairs_run": p1, "judge_runs[0]": review}, argv=["test"])
+    other_base = _finished(tmp_path / "JB", "Reward", pairs_run=p2, base={**BASE, "lora_r": 8},
+                           artifacts={"adapter/a": "b"})
+    with pytest.raises(RunError, match="base mismatch with input 'judge_runs\\[0\\]'.*'lora_r'"):
+        Run("Eval", config, {}, inputs={"pairs_run": p1, "judge_runs[0]": other_base}, argv=["test"], base=BASE)
+    with pytest.raises(RunError, match="--judge_runs\\[0\\] .*that is a Pairs run"):
+        Run("Eval", config, {}, inputs={"pairs_run": p1, "judge_runs[0]": p2}, argv=["test"])
+
+
 def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
     sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=None, artifacts={"adapter/a": "x"})
@@ -188,6 +209,9 @@ def test_a_finished_stage_records_its_artifacts_and_a_later_stage_reads_its_conf
     (PairsConfig, ["--report_to", "wandB"], "field 'report_to' expects one of 'wandb', 'none'"),
     (RewardStageConfig, ["--pairs_run", "p", "--judge_backbone", "bert"], "field 'judge_backbone' expects one of"),
     (RewardStageConfig, ["--pairs_run", "p", "--judge_model_name_or_path", "pkg:os/x"], "not a known model package"),
+    (RewardStageConfig, ["--pairs_run", "p", "--judge_objective", "listwise"], "field 'judge_objective' expects one of"),
+    (RewardStageConfig, ["--pairs_run", "p", "--train_split", "dev"], "field 'audit_split' must differ from train_split"),
+    (EvalConfig, ["--pairs_run", "p", "--reward_run", "a/R1", "--judge_runs", "b/R1"], "its own run name"),
     (GRPOStageConfig, ["--sft_run", "s", "--reward_run", "r", "--rollout_backend", "vllm"], "'rollout_backend' expects"),
     (GRPOStageConfig, ["--sft_run", "s", "--reward_run", "r", "--guard_max_length_ratio", "0.5"], "must be above 1"),
     (SFTStageConfig, ["--pairs_run", "p", "--per_device_train_batch_size", "0"], "must be at least 1"),
@@ -197,7 +221,7 @@ def test_a_finished_stage_records_its_artifacts_and_a_later_stage_reads_its_conf
 ])
 def test_a_bad_setting_is_a_config_error_naming_the_field(cls, argv, message):
     recipe = {PairsConfig: "01_build_pairs", SFTStageConfig: "02_train_sft", RewardStageConfig: "03_train_reward",
-              GRPOStageConfig: "04_train_grpo"}[cls]
+              GRPOStageConfig: "04_train_grpo", EvalConfig: "05_eval"}[cls]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *argv])
 

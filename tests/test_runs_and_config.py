@@ -101,3 +101,28 @@ def test_inputs_are_checked_before_a_directory_is_made(tmp_path):
     with pytest.raises(RunError, match="--pairs_run is required"):
         Run("SFT", config, {}, inputs={"pairs_run": None}, argv=["test"])
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_every_recipe_parses_strictly():
+    """Every YAML under configs/ (but accelerate's) is a valid config of the stage its name starts with."""
+    from pathlib import Path
+
+    from common.config import (
+        DPOStageConfig,
+        EvalConfig,
+        GRPOStageConfig,
+        PairsConfig,
+        RewardStageConfig,
+        SFTStageConfig,
+    )
+    stages = {"01": (PairsConfig, []), "02": (SFTStageConfig, ["--pairs_run", "p"]),
+              "03": (RewardStageConfig, ["--pairs_run", "p"]), "04_train_dpo": (DPOStageConfig, ["--sft_run", "s"]),
+              "04_train_grpo": (GRPOStageConfig, ["--sft_run", "s", "--reward_run", "r"]),
+              "05": (EvalConfig, ["--pairs_run", "p"])}
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    recipes = sorted(p for p in configs.rglob("*.yaml") if "accelerate" not in p.parts)
+    assert len(recipes) > 30
+    for path in recipes:
+        cls, required = next(v for k, v in stages.items() if path.name.startswith(k))
+        config, _ = parse_config(cls, ["--config", str(path), *required])
+        assert isinstance(config, cls), path

@@ -1,0 +1,92 @@
+"""Several judges in stage 05: whose posts each judge trained on, the check that no judge scores a
+premise it was trained on, and the line that flags a policy which gains only under its training judge.
+
+A policy trained against one judge can learn that judge's blind spots; scored by the same judge it
+then looks better without being more convincing (Gao et al. 2022, Singhal et al. 2023). Stage 05
+therefore also scores with `--judge_runs`, ideally a *held-out* judge: one trained on posts that
+neither the policy (the train split of the eval's pairs run: SFT, GRPO, DPO) nor the scored premises
+come from. Stage 03 records the posts (group ids) it trained on in `train_posts.json`, an artifact of
+its run (so its digest is checked like the adapter's); stage 05 reads it back here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.data import read_json, write_json
+from common.runs import RunError
+
+TRAIN_POSTS = "train_posts.json"
+
+
+def write_train_posts(run_dir: Path, split: str, rows: list[dict]) -> None:
+    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on."""
+    write_json(Path(run_dir) / TRAIN_POSTS, {"split": split, "n_pairs": len(rows),
+                                             "posts": sorted({r["group_id"] for r in rows})})
+
+
+def train_posts(reward_run: str | Path) -> set[str]:
+    path = Path(reward_run) / TRAIN_POSTS
+    if not path.is_file():
+        raise RunError(f"judge {Path(reward_run).name} records no {TRAIN_POSTS} (made before stage 03 kept its "
+                       f"training posts): its overlap with the scored premises cannot be checked; re-run stage 03")
+    return set(read_json(path)["posts"])
+
+
+def describe_judges(judge_runs: dict[str, str], training: str | None, scored: list[dict],
+                    policy_posts: set[str], trained_configs: dict) -> dict:
+    """{run name: what the report says of the judge}, after the overlap check: a judge of
+    `--judge_runs` that trained on a scored premise is refused, naming it and the count. The training
+    judge (`training`, --reward_run) is the policy's own and is not checked: it descends from the
+    eval's pairs run, whose train split it trains on. A judge is `held_out` when it shares no post
+    with the policy's train split either; else `other` (another judge on the policy's posts)."""
+    scored_posts = {p["group_id"] for p in scored}
+    out = {}
+    for name, path in judge_runs.items():
+        config = trained_configs[name]
+        info = {"path": str(Path(path).resolve()), "objective": config.judge_objective,
+                "backbone": config.judge_backbone,
+                "model": config.judge_model_name_or_path or config.model_name_or_path,
+                "train_split": config.train_split}
+        if name == training:
+            out[name] = {**info, "role": "training"}
+            continue
+        posts = train_posts(path)
+        overlap = posts & scored_posts
+        if overlap:
+            raise RunError(f"--judge_runs {path}: judge {name} trained on {len(overlap)} of the {len(scored_posts)} "
+                           f"premises it would score (e.g. post {sorted(overlap)[0]}); a judge must not score "
+                           f"premises it was trained on")
+        shared = len(posts & policy_posts)
+        out[name] = {**info, "role": "other" if shared else "held_out", "n_train_posts": len(posts),
+                     "posts_shared_with_policy": shared, "posts_shared_with_scored_premises": 0}
+    return out
+
+
+def gain_lines(results: dict, judges: dict) -> list[str]:
+    """For every model but the base: does a win over the base under the training judge (interval
+    above 0.5) hold under each held-out judge? One plain line per model and held-out judge."""
+    training = next((n for n, j in judges.items() if j["role"] == "training"), None)
+    held_out = [n for n, j in judges.items() if j["role"] == "held_out"]
+    lines = []
+    for model, r in results.items():
+        if model == "base" or training is None:
+            continue
+        own = r["by_judge"][training]
+        if own["win_rate_vs_base_ci95"][0] <= 0.5:
+            continue  # no gain under the training judge: nothing to confirm
+        for name in held_out:
+            other = r["by_judge"][name]
+            said = (f"{model} beats the base under its training judge {training} (win rate "
+                    f"{_ci(own, 'win_rate_vs_base')})")
+            if other["win_rate_vs_base_ci95"][0] > 0.5:
+                lines.append(f"{said}, and the gain holds under the held-out judge {name} "
+                             f"({_ci(other, 'win_rate_vs_base')}).")
+            else:
+                lines.append(f"**{said} but not under the held-out judge {name} ({_ci(other, 'win_rate_vs_base')})**: "
+                             f"the gain may be the training judge's blind spots, not a more convincing writer.")
+    return lines
+
+
+def _ci(r: dict, key: str) -> str:
+    low, high = r[f"{key}_ci95"]
+    return f"{r[key]:.2f} [{low:.2f}, {high:.2f}]"

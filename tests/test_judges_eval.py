@@ -1,0 +1,44 @@
+"""Several judges in stage 05 (common/judges.py): the report's line when a gain holds only under the
+training judge. The stage itself, with two real judges and the overlap check, is in test_pipeline.py."""
+from __future__ import annotations
+
+from common.judges import gain_lines
+from common.report import judges_section
+
+JUDGES = {"R1": {"role": "training", "objective": "pairwise", "backbone": "lora_4bit", "model": "m", "train_split": "train"},
+          "R2": {"role": "held_out", "objective": "pointwise", "backbone": "encoder", "model": "e", "train_split": "dev"},
+          "R3": {"role": "other", "objective": "pairwise", "backbone": "encoder", "model": "e", "train_split": "train"}}
+
+
+def _judged(rate, low, high):
+    return {"reward_mean": 0.1, "win_rate_vs_base": rate, "win_rate_vs_base_ci95": [low, high],
+            "lc_win_rate_vs_base": rate, "lc_win_rate_vs_base_ci95": [low, high]}
+
+
+def _results(grpo_training, grpo_held_out, grpo_other=(0.5, 0.4, 0.6)):
+    even = _judged(0.5, 0.5, 0.5)
+    return {"base": {"by_judge": {"R1": even, "R2": even, "R3": even}},
+            "grpo": {"by_judge": {"R1": _judged(*grpo_training), "R2": _judged(*grpo_held_out),
+                                  "R3": _judged(*grpo_other)}}}
+
+
+def test_a_gain_only_under_the_training_judge_is_flagged():
+    (line,) = gain_lines(_results((0.8, 0.7, 0.9), (0.52, 0.4, 0.64)), JUDGES)
+    assert line.startswith("**grpo beats the base under its training judge R1 (win rate 0.80 [0.70, 0.90]) but not "
+                           "under the held-out judge R2 (0.52 [0.40, 0.64])**")
+    # another judge on the policy's own posts (R3) is no held-out check: no line for it
+
+
+def test_a_gain_that_holds_is_said_so_and_no_gain_says_nothing():
+    (line,) = gain_lines(_results((0.8, 0.7, 0.9), (0.7, 0.6, 0.8)), JUDGES)
+    assert "and the gain holds under the held-out judge R2" in line and "**" not in line
+    assert gain_lines(_results((0.55, 0.45, 0.65), (0.3, 0.2, 0.4)), JUDGES) == []
+    assert gain_lines(_results((0.8, 0.7, 0.9), (0.3, 0.2, 0.4)), {"R1": JUDGES["R1"]}) == []  # no held-out judge
+
+
+def test_the_report_has_a_table_per_judge_and_the_lines():
+    results = _results((0.8, 0.7, 0.9), (0.52, 0.4, 0.64))
+    text = "\n".join(judges_section(results, JUDGES, gain_lines(results, JUDGES)))
+    assert "**R2**: pointwise encoder judge (e), trained on the dev split; held out" in text
+    assert "| grpo | 0.100 | 0.80 [0.70, 0.90] | 0.80 [0.70, 0.90] |" in text
+    assert text.count("| model | reward (mean) |") == 3 and "but not under the held-out judge R2" in text
