@@ -33,6 +33,21 @@ def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedPro
     return proc
 
 
+def load_stage(filename: str):
+    """A stage script as a module (its build_trainer and dataset builders), e.g. load_stage("04_train_dpo.py")."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(filename[:-3], REPO / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def words(n: int, seed: int) -> str:
+    """n words of varied text (the tiny tokenizer gives each a few tokens), different for each seed."""
+    vocab = ["claim", "evidence", "because", "however", "the", "paper", "shows", "we", "result", "method"]
+    return " ".join(vocab[(seed * 7 + i * 3) % len(vocab)] for i in range(n))
+
+
 def run_dir_of(proc: subprocess.CompletedProcess) -> Path:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
     assert lines, f"no run_dir line in stdout:\n{proc.stdout[-2000:]}"

@@ -5,29 +5,15 @@ Twice: in float32 (the layouts must agree to float32 rounding) and as the pipeli
 with bf16 compute (to bf16 rounding)."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
-from conftest import REPO, TINY
+from conftest import TINY, load_stage, words
 from datasets import Dataset
 
 from common.config import DPOStageConfig
 from common.shared_prompt import SHARED_KEYS, SharedPromptCollator, attention_mask
 
 LENGTHS = [(40, 12, 25), (9, 30, 3), (70, 5, 18)]  # words of prompt, chosen, rejected
-
-
-def _stage_04():
-    spec = importlib.util.spec_from_file_location("stage_04_dpo", REPO / "04_train_dpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _text(n, seed):
-    words = ["claim", "evidence", "because", "however", "the", "paper", "shows", "we", "result", "method"]
-    return " ".join(words[(seed * 7 + i * 3) % len(words)] for i in range(n))
 
 
 # relative error allowed on log-probs and gradients: float32 rounding, or bf16's (2^-8) with its sums
@@ -54,11 +40,11 @@ def trainer(request, tiny_model, tmp_path_factory):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    rows = [{"prompt": [{"role": "user", "content": _text(p, i)}],
-             "chosen": [{"role": "assistant", "content": _text(c, i + 1)}],
-             "rejected": [{"role": "assistant", "content": _text(r, i + 2)}]} for i, (p, c, r) in enumerate(LENGTHS)]
+    rows = [{"prompt": [{"role": "user", "content": words(p, i)}],
+             "chosen": [{"role": "assistant", "content": words(c, i + 1)}],
+             "rejected": [{"role": "assistant", "content": words(r, i + 2)}]} for i, (p, c, r) in enumerate(LENGTHS)]
     run = type("R", (), {"dir": tmp_path_factory.mktemp("dpo"), "manifest": {}})()
-    trainer = _stage_04().build_trainer(config, run, model, tokenizer, Dataset.from_list(rows))
+    trainer = load_stage("04_train_dpo.py").build_trainer(config, run, model, tokenizer, Dataset.from_list(rows))
     assert "ref" in model.peft_config and run.manifest["patches"][:2] == ["unmask_right_padding", "shared_prompt"]
     with torch.no_grad():  # the policy moves away from its reference (TRL's frozen `ref` copy): loss != log 2
         for name, p in model.named_parameters():

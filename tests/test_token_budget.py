@@ -7,12 +7,11 @@ step of token-budget micro-batches of different sizes gives the loss and LoRA gr
 batch of the same examples, for SFT, the reward model and DPO, on the tiny model in float32."""
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY
+from conftest import TINY, load_stage, words
 
 from common import token_budget
 from common.config import DPOStageConfig, RewardStageConfig, SFTStageConfig
@@ -25,21 +24,9 @@ COMMON = dict(model_name_or_path=str(TINY), report_to="none", lora_dropout=0.0, 
               max_prompt_tokens=96, max_length=160, per_device_train_batch_size=len(LENGTHS))
 
 
-def _stage(filename):
-    spec = importlib.util.spec_from_file_location(filename[:-3], REPO / filename)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _text(n, seed):
-    words = ["claim", "evidence", "because", "however", "the", "paper", "shows", "we", "result", "method"]
-    return " ".join(words[(seed * 7 + i * 3) % len(words)] for i in range(n))
-
-
 def _rows():
-    return [{"id": str(i), "prompt": [{"role": "user", "content": _text(p, i)}], "chosen": _text(c, i + 1),
-             "rejected": _text(r, i + 2)} for i, (p, c, r) in enumerate(LENGTHS)]
+    return [{"id": str(i), "prompt": [{"role": "user", "content": words(p, i)}], "chosen": words(c, i + 1),
+             "rejected": words(r, i + 2)} for i, (p, c, r) in enumerate(LENGTHS)]
 
 
 def _run(tmp_path):
@@ -73,7 +60,7 @@ def build(kind, tmp_path, **over):
         config = SFTStageConfig(pairs_run="unused", **COMMON, **over)
         tokenizer = load_tokenizer(config)
         run = _run(tmp_path)
-        trainer = _stage("02_train_sft.py").build_trainer(config, run, _lora_model(kind, config), tokenizer,
+        trainer = load_stage("02_train_sft.py").build_trainer(config, run, _lora_model(kind, config), tokenizer,
                                                            _rows(), [])
         trainer.applied = run.manifest["patches"]
         return trainer
@@ -94,7 +81,7 @@ def build(kind, tmp_path, **over):
     config = DPOStageConfig(sft_run="unused", **COMMON, **over)
     tokenizer = load_tokenizer(config)
     model = _lora_model(kind, config)
-    dpo = _stage("04_train_dpo.py")
+    dpo = load_stage("04_train_dpo.py")
     rows = _rows()
     data = dpo.preference_dataset(rows, [r["prompt"] for r in rows], [None] * len(rows), tokenizer, config)
     run = _run(tmp_path)
