@@ -64,6 +64,7 @@ from common.tasks import cmv  # noqa: E402
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
 GIB = 2 ** 30
+PROFILE_DIR: Path | None = None  # --profile: where each training row's kernel table goes
 REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_gen: a paper's first window, one review
 REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,192 and 20,480 tokens
 # The pipeline's rows: each recipe as it is, then one lever changed (which attention, the layer inputs
@@ -189,6 +190,40 @@ class StepClock(TrainerCallback):
         self.times.append(time.perf_counter())
 
 
+class StepProfile(TrainerCallback):
+    """--profile: torch.profiler over optimiser steps 2 and later (step 1 selects kernels), written as a
+    table of GPU kernels (self time) and of the operators that launched them, with the share of the
+    steps' wall time the GPU was busy."""
+    def __init__(self, path: Path):
+        self.path, self.prof, self.t0 = path, None, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.prof is None and state.global_step == 1:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts, record_shapes=False)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.prof is None:
+            return
+        sync()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        write_profile(self.prof, wall, self.path)
+
+
+def write_profile(prof, wall_s, path: Path):
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text(f"wall {wall_s:.3f} s, GPU kernels {gpu:.3f} s ({gpu / max(wall_s, 1e-9):.0%} busy)\n\n"
+                    + events.table(sort_by=sort, row_limit=40, max_name_column_width=90) + "\n")
+    print(f"profile: {path} (GPU busy {gpu / max(wall_s, 1e-9):.0%})", flush=True)
+
+
 def count_tokens(trainer, sink):
     """Wrap the collator: real (non-pad) and padded tokens of every micro-batch, in order."""
     collate = trainer.data_collator
@@ -218,6 +253,8 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     tokens, clock = [], StepClock()
     count_tokens(trainer, tokens)
     trainer.add_callback(clock)
+    if PROFILE_DIR is not None:
+        trainer.add_callback(StepProfile(PROFILE_DIR / f"{Path(trainer.args.output_dir).parent.name}.txt"))
     trainer.args.train_sampling_strategy = "sequential"  # the batches were drawn by step_batches
     mem_reset()
     sync()
@@ -284,6 +321,8 @@ class Bench:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
 
     def guarded(self, name, fn, need_s=0):
+        if self.args.rows and not any(part in name for part in self.args.rows.split(",")):
+            return
         if self.left() < need_s:
             self.results["errors"].append({"name": name, "error": f"skipped: {self.left():.0f} s left"})
             print(f"SKIP {name}", flush=True)
@@ -727,6 +766,8 @@ class Bench:
         judge.scorer.score = timed_score
         clock = StepClock()
         trainer.add_callback(clock)
+        if PROFILE_DIR is not None:
+            trainer.add_callback(StepProfile(PROFILE_DIR / f"grpo_{'ours' if ours else 'trl'}_{cfg.rollout_weights}.txt"))
         mem_reset()
         sync()
         t0 = time.perf_counter()
@@ -963,6 +1004,11 @@ def main(argv=None):
                     "of one sequence (one pair) each; the first is not timed")
     ap.add_argument("--review_gen_batches", default="1,2,4,8,16", help="review_gen: batch sizes, in order, "
                     "up to the first out-of-memory")
+    ap.add_argument("--rows", default="", help="only the measurements whose name holds one of these "
+                    "comma-separated parts (e.g. 'ours' or 'sft real')")
+    ap.add_argument("--profile", action="store_true", help="profile each training row's timed steps with "
+                    "torch.profiler: a kernel table per row under --out/profiles (the rows' own timings then "
+                    "include the profiler's overhead: use them for shares, not for speed)")
     ap.add_argument("--deadline", type=float, default=540, help="seconds: later measurements are skipped")
     ap.add_argument("--make_lengths", action="store_true", help="rewrite bench/cmv_lengths.json and exit")
     args = ap.parse_args(argv)
@@ -975,6 +1021,9 @@ def main(argv=None):
     ensure("tiny", TINY_MODEL)  # the stand-in tokenizer (and --tiny's model): built from the bundled data if missing
     if not args.tiny:
         build_random_model(Path(args.model))
+    if args.profile:
+        global PROFILE_DIR
+        PROFILE_DIR = Path(args.out) / "profiles"
     bench = Bench(args)
     bench.results["meta"]["build_and_setup_s"] = round(time.time() - bench.start, 1)
     bench.run(args.sections.split(","))
