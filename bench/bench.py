@@ -30,6 +30,7 @@ review generation with common.generation.decode, 8,192-token prompt, 1,024 new t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
@@ -220,7 +221,8 @@ def write_profile(prof, wall_s, path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     path.write_text(f"wall {wall_s:.3f} s, GPU kernels {gpu:.3f} s ({gpu / max(wall_s, 1e-9):.0%} busy)\n\n"
-                    + events.table(sort_by=sort, row_limit=40, max_name_column_width=90) + "\n")
+                    + events.table(sort_by=sort, row_limit=40, max_name_column_width=90) + "\n\nby CPU time:\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90) + "\n")
     print(f"profile: {path} (GPU busy {gpu / max(wall_s, 1e-9):.0%})", flush=True)
 
 
@@ -235,6 +237,27 @@ def count_tokens(trainer, sink):
         sink.append((real, ids.numel(), len(ids)))
         return batch
     trainer.data_collator = wrapped
+
+
+@contextlib.contextmanager
+def lever(model, ours: bool, cudnn_attention: bool = False, lora_dropout: float | None = None):
+    """One row's setting. TRL rows run PyTorch's defaults (cuDNN attention on; `patches.apply` turns
+    it off for the pipeline's rows, cudnn_attention=True turns it back on as a control row).
+    lora_dropout: the LoRA layers' dropout for this row only (the model is loaded once)."""
+    if not ours or cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    saved = {}
+    if lora_dropout is not None:
+        for name, module in model.named_modules():
+            if isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict) and "default" in module.lora_dropout:
+                saved[name] = module.lora_dropout["default"]
+                module.lora_dropout["default"] = torch.nn.Dropout(lora_dropout) if lora_dropout else torch.nn.Identity()
+    try:
+        yield
+    finally:
+        for name, module in model.named_modules():
+            if name in saved:
+                module.lora_dropout["default"] = saved[name]
 
 
 def fresh_adapter(model):
@@ -371,7 +394,7 @@ class Bench:
     def sft_rows(self, lengths):
         return [{"prompt": self.words.prompt(p), "chosen": Words.text(r - 1)} for p, r in lengths]
 
-    def sft(self, name, kind, lengths, ours, **over):
+    def sft(self, name, kind, lengths, ours, cudnn_attention=False, lora_dropout=None, **over):
         import trl
         per_device = 4 if self.tiny else 8
         cfg = self.config(SFTStageConfig, "02_train_sft.yaml", max_steps=self.steps,
@@ -398,8 +421,10 @@ class Bench:
                                  **({"bf16": False, "use_cpu": True} if self.tiny else {}))
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
-        r = train_run(trainer, ga, ours)
+        with lever(self.policy, ours, cudnn_attention, lora_dropout):
+            r = train_run(trainer, ga, ours)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
+                     "cudnn_attention": cudnn_attention or not ours, "lora_dropout": lora_dropout,
                      "per_device": None if budget else cfg.per_device_train_batch_size, "max_tokens_per_batch": budget,
                      "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "grad_accum": ga, "checkpointing": cfg.gradient_checkpointing,
@@ -676,7 +701,7 @@ class Bench:
             print("review gen best", json.dumps(self.results["review_gen_best"]), flush=True)
 
     # reward ----------------------------------------------------------------------------------------
-    def reward(self, name, kind, lengths, ours, **over):
+    def reward(self, name, kind, lengths, ours, cudnn_attention=False, lora_dropout=None, **over):
         import trl
         per_device = 4 if self.tiny else 8
         cfg = self.config(RewardStageConfig, "03_train_reward.yaml", max_steps=self.steps,
@@ -713,8 +738,10 @@ class Bench:
         if ours:  # what stage 03's trainer gets
             from common import patches
             patches.apply(trainer, cfg)
-        r = train_run(trainer, ga, ours)
+        with lever(self.judge_model, ours, cudnn_attention, lora_dropout):
+            r = train_run(trainer, ga, ours)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
+                     "cudnn_attention": cudnn_attention or not ours, "lora_dropout": lora_dropout,
                      "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
                      "max_tokens_per_batch": budget, "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "grad_accum": ga,
@@ -744,18 +771,27 @@ class Bench:
         judge = WatchedReward(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
                                            cfg.reward_batch_size))
         trainer = self.grpo_mod.build_trainer(cfg, self.run_dir("grpo"), self.policy, judge, prompts, self.tokenizer)
-        timing = {"rollout_s": [], "new_tokens": [], "reward_s": []}
+        timing = {"rollout_s": [], "new_tokens": [], "reward_s": [], "prefill_s": []}
         generate = trainer._generate
+        import common.generation as gen
+        capture, t_start = gen._capture, []
+
+        def timed_capture(step, state):  # decode calls it once its prefill is done (CUDA graphs only)
+            sync()
+            timing["prefill_s"].append(round(time.perf_counter() - t_start[-1], 3))
+            return capture(step, state)
 
         def timed_generate(*a, **k):
             sync()
             t = time.perf_counter()
+            t_start.append(t)
             out = generate(*a, **k)
             sync()
             timing["rollout_s"].append(time.perf_counter() - t)
             timing["new_tokens"].append(sum(len(c) for c in out[1]))
             return out
         trainer._generate = timed_generate
+        gen._capture = timed_capture
         score = judge.scorer.score
 
         def timed_score(*a, **k):
@@ -772,7 +808,8 @@ class Bench:
         sync()
         t0 = time.perf_counter()
         from common.training import train
-        train(trainer, bench_run(self.work / "grpo"))
+        with lever(self.policy, ours):
+            train(trainer, bench_run(self.work / "grpo"))
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
@@ -790,11 +827,13 @@ class Bench:
                      "steps_timed": len(timed), "step_seconds": [round(s, 2) for s in secs],
                      "seconds_per_step": round(step_s, 3),
                      "rollout_seconds": [round(s, 2) for s in timing["rollout_s"]],
+                     "prefill_seconds": timing["prefill_s"],
                      "reward_seconds_total": round(sum(timing["reward_s"]), 2),
                      "rollout_new_tokens_per_s": round(sum(toks) / max(sum(gens), 1e-9), 1),
                      "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),
                      "peak_gib": peak_gib()})
         judge.score = score
+        gen._capture = capture
         del trainer
 
     # ------------------------------------------------------------------------------------------------
@@ -868,6 +907,9 @@ class Bench:
             g("sft real ours", lambda: self.sft("sft_real_ours", "real", S, True), 40)
             # real lengths padded to a multiple of 64: a few shapes, seen again (pad_to_multiple_of)
             g("sft real ours pad64", lambda: self.sft("sft_real_ours_pad64", "real", S, True, pad_to_multiple_of=64), 40)
+            g("sft real ours cudnn", lambda: self.sft("sft_real_ours_cudnn", "real", S, True, cudnn_attention=True), 40)
+            g("sft real ours no dropout", lambda: self.sft("sft_real_ours_no_dropout", "real", S, True, lora_dropout=0.0),
+              40)
         if "long" in sections:
             g("long ours", lambda: self.long(True), 45)
             g("long ours chunked", lambda: self.long(True, mlp_chunk_tokens=4096), 45)
@@ -878,6 +920,10 @@ class Bench:
             g("reward real ours", lambda: self.reward("reward_real_ours", "real", self.reward_lengths, True), 40)
             g("reward real ours pad64", lambda: self.reward("reward_real_ours_pad64", "real", self.reward_lengths, True,
                                                             pad_to_multiple_of=64), 40)
+            g("reward real ours cudnn", lambda: self.reward("reward_real_ours_cudnn", "real", self.reward_lengths, True,
+                                                            cudnn_attention=True), 40)
+            g("reward real ours no dropout", lambda: self.reward("reward_real_ours_no_dropout", "real",
+                                                                 self.reward_lengths, True, lora_dropout=0.0), 40)
         self.other_resident = 0.0
         if "grpo" in sections:
             g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else 3), 60)

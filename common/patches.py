@@ -7,6 +7,7 @@ forward or a trainer's data behind the config's back.
 | change | when | what it does |
 | --- | --- | --- |
 | unmask_right_padding | always (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
+| no_cudnn_attention | always, on a GPU | SDPA's flash kernel rather than cuDNN's, which plans anew for every sequence length |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (common/token_budget.py) |
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
@@ -50,6 +51,9 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if config.mlp_chunk_tokens:  # after Liger, whose SwiGLU it then wraps
         chunk_mlps(trainer.model, config.mlp_chunk_tokens)
         applied.append("chunk_mlps")
+    if torch.cuda.is_available():
+        no_cudnn_attention()
+        applied.append("no_cudnn_attention")
     log.info("model and data changes: %s", ", ".join(applied))
     return applied
 
@@ -120,6 +124,14 @@ def unmask_right_padding(model) -> None:
         return None
 
     model.register_forward_pre_hook(drop_mask, with_kwargs=True)
+
+
+def no_cudnn_attention() -> None:
+    """On Hopper, PyTorch's SDPA picks cuDNN's attention first. cuDNN builds an execution plan for each new
+    sequence length, about 1.5 ms of CPU per attention call (profiled on an H200, bench/RESULTS.md), and
+    real-length batches bring a new length nearly every micro-batch: the GPU then waits on the CPU. The
+    flash kernel, next in SDPA's order, has no such per-shape cost. Process-wide, as the backend flags are."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def offload_saved_activations(model) -> None:
