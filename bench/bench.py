@@ -65,6 +65,7 @@ from common.tasks import cmv  # noqa: E402
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
 GIB = 2 ** 30
+MODEL_LORA_DROPOUT = 0.05  # the models are loaded once, with ModelArgs' default; rows set their own (lever)
 PROFILE_DIR: Path | None = None  # --profile: where each training row's kernel table goes
 REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_gen: a paper's first window, one review
 REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,192 and 20,480 tokens
@@ -421,10 +422,12 @@ class Bench:
                                  **({"bf16": False, "use_cpu": True} if self.tiny else {}))
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
-        with lever(self.policy, ours, cudnn_attention, lora_dropout):
+        dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
+        with lever(self.policy, ours, cudnn_attention, dropout):
             r = train_run(trainer, ga, ours)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
-                     "cudnn_attention": cudnn_attention or not ours, "lora_dropout": lora_dropout,
+                     "cudnn_attention": cudnn_attention or not ours,
+                     "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "per_device": None if budget else cfg.per_device_train_batch_size, "max_tokens_per_batch": budget,
                      "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "grad_accum": ga, "checkpointing": cfg.gradient_checkpointing,
@@ -738,10 +741,12 @@ class Bench:
         if ours:  # what stage 03's trainer gets
             from common import patches
             patches.apply(trainer, cfg)
-        with lever(self.judge_model, ours, cudnn_attention, lora_dropout):
+        dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
+        with lever(self.judge_model, ours, cudnn_attention, dropout):
             r = train_run(trainer, ga, ours)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
-                     "cudnn_attention": cudnn_attention or not ours, "lora_dropout": lora_dropout,
+                     "cudnn_attention": cudnn_attention or not ours,
+                     "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
                      "max_tokens_per_batch": budget, "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "grad_accum": ga,
@@ -808,7 +813,7 @@ class Bench:
         sync()
         t0 = time.perf_counter()
         from common.training import train
-        with lever(self.policy, ours):
+        with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
             train(trainer, bench_run(self.work / "grpo"))
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
@@ -822,7 +827,8 @@ class Bench:
         self.record({"stage": "grpo", "name": "grpo_" + ("ours" if ours else "trl") + dense, "setting": "ours" if ours
                      else "trl", "rollout_backend": cfg.rollout_backend, "rollout_batch": cfg.rollout_batch_size,
                      "rollout_weights": cfg.rollout_weights,
-                     "completions_per_step": per_step,
+                     "completions_per_step": per_step, "reward_batch": cfg.reward_batch_size,
+                     "lora_dropout": cfg.lora_dropout if ours else MODEL_LORA_DROPOUT,
                      "generation_batch": per_step, "max_completion_length": cfg.max_completion_length,
                      "steps_timed": len(timed), "step_seconds": [round(s, 2) for s in secs],
                      "seconds_per_step": round(step_s, 3),
@@ -840,7 +846,7 @@ class Bench:
     def run(self, sections):
         from common.config import ModelArgs
         from common.model import CAUSAL_LM, SEQ_CLS, load_model, load_tokenizer
-        margs = ModelArgs(model_name_or_path=self.model_path)
+        margs = ModelArgs(model_name_or_path=self.model_path, lora_dropout=MODEL_LORA_DROPOUT)
         self.tokenizer = load_tokenizer(margs)
         self.words = Words(self.tokenizer)
         _map_unknown_ids(self.tokenizer, self.words.word_id)
@@ -908,8 +914,7 @@ class Bench:
             # real lengths padded to a multiple of 64: a few shapes, seen again (pad_to_multiple_of)
             g("sft real ours pad64", lambda: self.sft("sft_real_ours_pad64", "real", S, True, pad_to_multiple_of=64), 40)
             g("sft real ours cudnn", lambda: self.sft("sft_real_ours_cudnn", "real", S, True, cudnn_attention=True), 40)
-            g("sft real ours no dropout", lambda: self.sft("sft_real_ours_no_dropout", "real", S, True, lora_dropout=0.0),
-              40)
+            g("sft real ours dropout", lambda: self.sft("sft_real_ours_dropout", "real", S, True, lora_dropout=0.05), 40)
         if "long" in sections:
             g("long ours", lambda: self.long(True), 45)
             g("long ours chunked", lambda: self.long(True, mlp_chunk_tokens=4096), 45)
@@ -922,8 +927,8 @@ class Bench:
                                                             pad_to_multiple_of=64), 40)
             g("reward real ours cudnn", lambda: self.reward("reward_real_ours_cudnn", "real", self.reward_lengths, True,
                                                             cudnn_attention=True), 40)
-            g("reward real ours no dropout", lambda: self.reward("reward_real_ours_no_dropout", "real",
-                                                                 self.reward_lengths, True, lora_dropout=0.0), 40)
+            g("reward real ours dropout", lambda: self.reward("reward_real_ours_dropout", "real", self.reward_lengths,
+                                                              True, lora_dropout=0.05), 40)
         self.other_resident = 0.0
         if "grpo" in sections:
             g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else 3), 60)
