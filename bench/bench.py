@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import gc
 import importlib
 import json
@@ -235,7 +236,8 @@ def count_tokens(trainer, sink):
         batch = collate(examples)
         ids = batch["input_ids"]
         real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()
-        sink.append((real, ids.numel(), len(ids)))
+        ran = real if getattr(trainer.model, "padding_free", False) else ids.numel()  # the model runs no padding
+        sink.append((real, ran, len(ids)))
         return batch
     trainer.data_collator = wrapped
 
@@ -345,7 +347,7 @@ class Bench:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
 
     def guarded(self, name, fn, need_s=0):
-        if self.args.rows and not any(part in name for part in self.args.rows.split(",")):
+        if self.args.rows and not any(fnmatch.fnmatch(name, part) for part in self.args.rows.split(",")):
             return
         if self.left() < need_s:
             self.results["errors"].append({"name": name, "error": f"skipped: {self.left():.0f} s left"})
@@ -716,6 +718,8 @@ class Bench:
         longer = lambda x: x[0] + max(x[1], x[2])  # noqa: E731 (the longer reply sets the padding)
         if kind != "real":
             items = lengths
+        elif budget and cfg.padding_free:  # budgeted in real tokens: both rows, no padding
+            items = budget_steps(lengths, 0, budget, ga, self.steps, seed=3, key=lambda x: 2 * x[0] + x[1] + x[2])
         elif budget:  # the recipe's token-budget micro-batches: chosen and rejected rows
             items = budget_steps(lengths, 2, budget, ga, self.steps, seed=3, key=longer)
         else:
@@ -743,12 +747,14 @@ class Bench:
             patches.apply(trainer, cfg)
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
         with lever(self.judge_model, ours, cudnn_attention, dropout):
-            r = train_run(trainer, ga, ours)
+            # FlexAttention (padding_free on a GPU) compiles for the first shapes: those steps are not timed
+            r = train_run(trainer, ga, ours, warmup_steps=3 if cfg.padding_free and not self.tiny else 1)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "cudnn_attention": cudnn_attention or not ours,
                      "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
                      "max_tokens_per_batch": budget, "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
+                     "padding_free": cfg.padding_free and ours,
                      "grad_accum": ga,
                      "group_by_length": bool(budget) or (cfg.group_by_length and ours),
                      "liger": cfg.liger_kernel and ours, **r})
@@ -925,6 +931,8 @@ class Bench:
             g("reward real ours", lambda: self.reward("reward_real_ours", "real", self.reward_lengths, True), 40)
             g("reward real ours pad64", lambda: self.reward("reward_real_ours_pad64", "real", self.reward_lengths, True,
                                                             pad_to_multiple_of=64), 40)
+            g("reward real ours padding free", lambda: self.reward("reward_real_ours_padding_free", "real",
+                                                                   self.reward_lengths, True, padding_free=True), 40)
             g("reward real ours cudnn", lambda: self.reward("reward_real_ours_cudnn", "real", self.reward_lengths, True,
                                                             cudnn_attention=True), 40)
             g("reward real ours dropout", lambda: self.reward("reward_real_ours_dropout", "real", self.reward_lengths,
@@ -1055,8 +1063,8 @@ def main(argv=None):
                     "of one sequence (one pair) each; the first is not timed")
     ap.add_argument("--review_gen_batches", default="1,2,4,8,16", help="review_gen: batch sizes, in order, "
                     "up to the first out-of-memory")
-    ap.add_argument("--rows", default="", help="only the measurements whose name holds one of these "
-                    "comma-separated parts (e.g. 'ours' or 'sft real')")
+    ap.add_argument("--rows", default="", help="only the measurements whose name (as printed: 'sft real ours') "
+                    "matches one of these comma-separated shell patterns, e.g. '*ours*,grpo*'")
     ap.add_argument("--profile", action="store_true", help="profile each training row's timed steps with "
                     "torch.profiler: a kernel table per row under --out/profiles (the rows' own timings then "
                     "include the profiler's overhead: use them for shares, not for speed)")

@@ -223,9 +223,15 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         "judge_audit.json); not train_split")
     audit_extra_splits: list[Literal["train", "dev", "test"]] = arg(
         help="other splits judged besides audit_split in judge_audit.json", factory=lambda: ["test"])
+    padding_free: bool = arg(False, "train on each micro-batch's replies as one row without padding (FlexAttention's "
+                             "document mask on a GPU; common/padding_free.py); pairwise 4-bit judges only")
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
+        if self.padding_free and (self.judge_backbone != "lora_4bit" or self.judge_objective != "pairwise"):
+            raise ConfigError("padding_free is for the pairwise lora_4bit judge (a causal decoder); got "
+                              f"judge_backbone {self.judge_backbone}, judge_objective {self.judge_objective}",
+                              "padding_free")
         if self.audit_split == self.train_split:
             raise ConfigError(f"field 'audit_split' must differ from train_split ({self.train_split}): a judge is "
                               f"measured on pairs it did not train on", "audit_split")

@@ -6,7 +6,8 @@ forward or a trainer's data behind the config's back.
 
 | change | when | what it does |
 | --- | --- | --- |
-| unmask_right_padding | always (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
+| unmask_right_padding | causal models (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
+| padding_free | the reward model's padding_free | a micro-batch's sequences as one row, no padding (common/padding_free.py) |
 | no_cudnn_attention | always, on a GPU | SDPA's flash kernel rather than cuDNN's, which plans anew for every sequence length |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (common/token_budget.py) |
@@ -22,7 +23,7 @@ import logging
 
 import torch
 
-from common import token_budget
+from common import padding_free, token_budget
 from common.config import TrainArgs
 from common.model import unwrap_peft
 
@@ -31,8 +32,12 @@ log = logging.getLogger("pipeline")
 
 def apply(trainer, config: TrainArgs) -> list[str]:
     """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
-    applied = ["unmask_right_padding"]
-    unmask_right_padding(trainer.model)
+    applied = []
+    if getattr(config, "padding_free", False):
+        padding_free.unpad_rows(trainer.model)
+        applied.append("padding_free")
+    elif unmask_right_padding(trainer.model):
+        applied.append("unmask_right_padding")
     if getattr(trainer.model, "shares_prompt", False):
         applied.append("shared_prompt")
     if config.group_by_length and add_length_column(trainer):
@@ -111,11 +116,16 @@ def chunk_mlps(model, tokens: int) -> None:
         layer.mlp.forward = chunked
 
 
-def unmask_right_padding(model) -> None:
+def unmask_right_padding(model) -> bool:
     """A right-padded training batch needs no attention mask: under causal attention no real token sees
     the padding after it, and pad positions carry no loss (labels -100; the reward head reads the last
     real token). Without the mask SDPA runs its flash kernel instead of the masked one, which real-length
-    batches otherwise pay for (bench/RESULTS.md). Left padding (GRPO's prompts) keeps its mask."""
+    batches otherwise pay for (bench/RESULTS.md). Left padding (GRPO's prompts) keeps its mask. Not for
+    a bidirectional encoder (the MiniLM judge), whose real tokens do see the padding: returns False."""
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    if not flags or not all(flags):
+        return False
+
     def drop_mask(module, args, kwargs):
         mask = kwargs.get("attention_mask")
         if module.training and isinstance(mask, torch.Tensor) and mask.dim() == 2 \
@@ -124,6 +134,7 @@ def unmask_right_padding(model) -> None:
         return None
 
     model.register_forward_pre_hook(drop_mask, with_kwargs=True)
+    return True
 
 
 def no_cudnn_attention() -> None:

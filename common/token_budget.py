@@ -43,16 +43,19 @@ log = logging.getLogger("pipeline")
 
 def pack(lengths: list[int], rows: int, budget: int, seed: int) -> list[list[int]]:
     """Indices cut into micro-batches of at most `budget` padded tokens (examples x rows x longest),
-    in increasing length (ties in a seeded random order); an example over the budget stands alone."""
+    in increasing length (ties in a seeded random order); an example over the budget stands alone.
+    rows 0: padding-free micro-batches, which cost the sum of their lengths."""
     g = torch.Generator().manual_seed(seed)
     tie = torch.randperm(len(lengths), generator=g).tolist()
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tie[i]))
-    batches, current = [], []
+    batches, current, total = [], [], 0
     for i in order:  # increasing: the example added is the batch's longest
-        if current and (len(current) + 1) * rows * lengths[i] > budget:
+        cost = total + lengths[i] if rows == 0 else (len(current) + 1) * rows * lengths[i]
+        if current and cost > budget:
             batches.append(current)
-            current = []
+            current, total = [], 0
         current.append(i)
+        total += lengths[i]
     if current:
         batches.append(current)
     return batches
@@ -99,8 +102,10 @@ def _example_lengths(trainer) -> tuple[list[int], int]:
         if getattr(trainer.model, "shares_prompt", False):  # one sequence: the prompt once, both replies
             return [p + c + r + 1 for p, c, r in zip(prompts, chosen, rejected)], 1
         return [p + max(c, r) for p, c, r in zip(prompts, chosen, rejected)], 2
-    if {"chosen_ids", "rejected_ids"} <= columns:  # reward: chosen and rejected padded together
-        return [max(len(c), len(r)) for c, r in zip(data["chosen_ids"], data["rejected_ids"])], 2
+    if {"chosen_ids", "rejected_ids"} <= columns:
+        if getattr(trainer.model, "padding_free", False):  # both replies, no padding (common/padding_free.py)
+            return [len(c) + len(r) for c, r in zip(data["chosen_ids"], data["rejected_ids"])], 0
+        return [max(len(c), len(r)) for c, r in zip(data["chosen_ids"], data["rejected_ids"])], 2  # padded together
     if "input_ids" in columns:  # SFT (TRL's dataset is cut to max_length already)
         return [len(ids) for ids in data["input_ids"]], 1
     raise ValueError(f"max_tokens_per_batch: no token ids in the training data (columns {sorted(columns)})")
@@ -116,10 +121,11 @@ def batch_by_tokens(trainer, budget: int) -> None:
     def get_train_dataloader():
         lengths, rows = example_sizes(trainer)
         sampler = TokenBudgetBatchSampler(lengths, rows, budget, trainer.args.seed)
-        padded = sum(len(b) * rows * max(lengths[i] for i in b) for b in sampler.batches)
+        padded = sum(len(b) * rows * max(lengths[i] for i in b) if rows else sum(lengths[i] for i in b)
+                     for b in sampler.batches)
         log.info("max_tokens_per_batch %d: %d examples in %d micro-batches (%.1f examples, %.0f padded tokens "
                  "each; %.1f%% of them real)", budget, len(lengths), len(sampler), len(lengths) / len(sampler),
-                 padded / len(sampler), 100 * rows * sum(lengths) / padded)
+                 padded / len(sampler), 100 * max(rows, 1) * sum(lengths) / padded)
         args = trainer.args
         data = trainer._remove_unused_columns(trainer.train_dataset, description="Training")
         loader = DataLoader(data, batch_sampler=sampler, collate_fn=trainer.data_collator,

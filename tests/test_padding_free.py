@@ -1,0 +1,89 @@
+"""Padding-free reward-model training (`padding_free`, common/padding_free.py), and which models may
+drop their attention mask (`unmask_right_padding`: causal decoders only).
+
+The packed forward gives the padded model's rewards, row for row; one optimiser step of padding-free
+token-budget micro-batches gives the loss and LoRA gradients of one plain padded batch (tiny model,
+float32, the CPU's SDPA path of the same document mask)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY
+from test_token_budget import BUDGET, _lora_model, _relative_error, build, one_step
+
+from common.config import ConfigError, ModelArgs, RewardStageConfig
+from common.padding_free import document_mask, unpad_rows
+from common.patches import unmask_right_padding
+
+
+def test_document_mask_is_causal_within_each_sequence_only():
+    doc = torch.tensor([0, 0, 0, 1, 1, 2])
+    mask = document_mask(doc, "sdpa")[0, 0]
+    q, kv = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
+    assert torch.equal(mask, (kv <= q) & (doc[q] == doc[kv]))
+    assert mask[3, 3] and not mask[3, 2] and not mask[5, 4]  # a sequence never sees the one before it
+
+
+def test_packed_forward_gives_the_padded_rewards():
+    model = _lora_model("reward", ModelArgs(model_name_or_path=str(TINY), lora_dropout=0.0))
+    pad = model.config.pad_token_id
+    lengths = [7, 3, 11, 5]
+    ids = torch.full((4, 11), pad)
+    mask = torch.zeros(4, 11, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(3, 500, (n,), generator=g)
+        mask[row, :n] = 1
+    ids[1, 2] = pad  # a sequence ending in the pad token: the head reads the token before it, as HF's does
+    model.train()
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits
+        unpad_rows(model)
+        packed = model(input_ids=ids, attention_mask=mask).logits
+    assert packed.shape == padded.shape == (4, 1)
+    assert torch.allclose(packed, padded, atol=1e-5), (packed, padded)
+    model.eval()  # scoring keeps the padded forward
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, padded, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [BUDGET["reward"], 120])
+def test_padding_free_step_equals_one_padded_batch(tmp_path, budget):
+    plain = build("reward", tmp_path / "plain")
+    loss, grads, sizes = one_step(plain)
+    assert sizes == [16] and "unmask_right_padding" in plain.applied
+    packed = build("reward", tmp_path / "packed", max_tokens_per_batch=budget, padding_free=True)
+    assert packed.applied[0] == "padding_free" and "unmask_right_padding" not in packed.applied
+    packed_loss, packed_grads, packed_sizes = one_step(packed)
+    assert len(packed_sizes) > 1 and sum(packed_sizes) == 16  # several micro-batches, every pair once
+    assert abs(packed_loss - loss) < 1e-5 * abs(loss)
+    assert grads.keys() == packed_grads.keys()
+    for name, grad in grads.items():
+        assert _relative_error(packed_grads[name], grad) < 1e-4, name
+
+
+def test_padding_free_budget_counts_real_tokens(tmp_path):
+    trainer = build("reward", tmp_path, max_tokens_per_batch=BUDGET["reward"], padding_free=True)
+    loader = trainer.get_train_dataloader()
+    from common.token_budget import example_sizes
+    lengths, rows = example_sizes(trainer)
+    assert rows == 0
+    for batch in loader:  # what a micro-batch runs: the real tokens of both replies, within the budget
+        real = int(batch["attention_mask"].sum())
+        assert real <= BUDGET["reward"] or len(batch["input_ids"]) == 2
+
+
+def test_padding_free_is_for_the_pairwise_4bit_judge():
+    for over in ({"judge_backbone": "encoder"}, {"judge_objective": "pointwise"}):
+        with pytest.raises(ConfigError, match="padding_free"):
+            RewardStageConfig(pairs_run="x", padding_free=True, **over).check()
+
+
+def test_only_causal_models_drop_their_mask():
+    from transformers import BertConfig, BertForSequenceClassification
+    encoder = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                       intermediate_size=37, num_labels=1))
+    assert unmask_right_padding(encoder) is False  # bidirectional: its real tokens see the padding
+    assert not encoder._forward_pre_hooks
+    decoder = _lora_model("reward", ModelArgs(model_name_or_path=str(TINY)))
+    assert unmask_right_padding(decoder) is True and decoder._forward_pre_hooks
