@@ -728,8 +728,7 @@ class Bench:
         rows = [{"prompt": self.words.prompt(p), "chosen": Words.text(c - 1), "rejected": Words.text(j - 1)}
                 for p, c, j in items]
         fresh_adapter(self.judge_model)
-        for attr in ("forward", "padding_free"):  # an earlier row's padding-free wrapper: the class's forward again
-            self.judge_model.__dict__.pop(attr, None)
+        self.plain_judge()
         run = self.run_dir(name)
         from common.rewards import RewardScorer, preference_dataset
         scorer = RewardScorer(self.judge_model, self.tokenizer, cfg.max_prompt_tokens, cfg.max_length)
@@ -762,6 +761,14 @@ class Bench:
                      "liger": cfg.liger_kernel and ours, **r})
         del trainer
 
+    def plain_judge(self):
+        """Undo an earlier row's padding-free wrapper: the class's forward and SDPA again."""
+        from common.model import unwrap_peft
+        for attr in ("forward", "padding_free"):
+            self.judge_model.__dict__.pop(attr, None)
+        if unwrap_peft(self.judge_model).config._attn_implementation != "sdpa":
+            unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
+
     # GRPO ------------------------------------------------------------------------------------------
     def grpo(self, ours, steps, name=None, **over):
         from common.rewards import RewardScorer
@@ -779,6 +786,7 @@ class Bench:
         self.tokenizer.padding_side = "left"
         prompts = self.grpo_mod.prompt_dataset(str(pairs), self.tokenizer, cfg)
         fresh_adapter(self.policy)
+        self.plain_judge()
         self.judge_model.eval()
         # as stage 04 gives it (the watch's statistics included); no guard: a random model's lengths are flat
         judge = WatchedReward(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
@@ -892,6 +900,7 @@ class Bench:
             if "uniform" in self.args.batches:
                 g("sft uniform trl", lambda: self.sft("sft_uniform_trl", "uniform", uniform_sft, False), 40)
             g("sft real trl", lambda: self.sft("sft_real_trl", "real", S, False), 40)
+            g("sft real trl warm", lambda: self.sft("sft_real_trl_warm", "real", S, False), 40)
         if "long" in sections:
             g("long trl", lambda: self.long(False), 60)
         if "eval" in sections:
@@ -908,6 +917,7 @@ class Bench:
             if "uniform" in self.args.batches:
                 g("reward uniform trl", lambda: self.reward("reward_uniform_trl", "uniform", uniform_rw, False), 40)
             g("reward real trl", lambda: self.reward("reward_real_trl", "real", self.reward_lengths, False), 40)
+            g("reward real trl warm", lambda: self.reward("reward_real_trl_warm", "real", self.reward_lengths, False), 40)
             self.other_resident = 0.0
         if "grpo" in sections:
             g("grpo trl", lambda: self.grpo(False, 1), 80)  # one step: about 45 s of HF generate
@@ -919,6 +929,8 @@ class Bench:
             if "uniform" in self.args.batches:
                 g("sft uniform ours", lambda: self.sft("sft_uniform_ours", "uniform", uniform_sft, True), 40)
             g("sft real ours", lambda: self.sft("sft_real_ours", "real", S, True), 40)
+            # the same micro-batches again: every shape seen once before (a run's second epoch, its recurring shapes)
+            g("sft real ours warm", lambda: self.sft("sft_real_ours_warm", "real", S, True), 40)
             # real lengths padded to a multiple of 64: a few shapes, seen again (pad_to_multiple_of)
             g("sft real ours pad64", lambda: self.sft("sft_real_ours_pad64", "real", S, True, pad_to_multiple_of=64), 40)
             g("sft real ours cudnn", lambda: self.sft("sft_real_ours_cudnn", "real", S, True, cudnn_attention=True), 40)
@@ -931,10 +943,13 @@ class Bench:
             if "uniform" in self.args.batches:
                 g("reward uniform ours", lambda: self.reward("reward_uniform_ours", "uniform", uniform_rw, True), 40)
             g("reward real ours", lambda: self.reward("reward_real_ours", "real", self.reward_lengths, True), 40)
+            g("reward real ours warm", lambda: self.reward("reward_real_ours_warm", "real", self.reward_lengths, True), 40)
             g("reward real ours pad64", lambda: self.reward("reward_real_ours_pad64", "real", self.reward_lengths, True,
                                                             pad_to_multiple_of=64), 40)
             g("reward real ours padded", lambda: self.reward("reward_real_ours_padded", "real", self.reward_lengths, True,
                                                              padding_free=False), 40)
+            g("reward real ours padded warm", lambda: self.reward("reward_real_ours_padded_warm", "real",
+                                                                  self.reward_lengths, True, padding_free=False), 40)
             g("reward real ours cudnn", lambda: self.reward("reward_real_ours_cudnn", "real", self.reward_lengths, True,
                                                             cudnn_attention=True), 40)
             g("reward real ours dropout", lambda: self.reward("reward_real_ours_dropout", "real", self.reward_lengths,

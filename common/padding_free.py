@@ -39,11 +39,22 @@ def unpad_rows(model) -> str:
     padding-free. Returns the attention the packed rows run: flex_attention on a GPU, else sdpa."""
     attention = "flex_attention" if torch.cuda.is_available() else "sdpa"
     classifier = unwrap_peft(model)
+    # For good, not per call: gradient checkpointing runs each layer's forward again in backward, after
+    # the call has returned, and that recompute must find the attention the mask was built for.
+    padded_attention = classifier.config._attn_implementation
+    if padded_attention != attention:
+        classifier.set_attn_implementation(attention)
     forward = model.forward
 
     def padding_free_forward(input_ids=None, attention_mask=None, **kwargs):
         if not model.training or attention_mask is None or attention_mask.dim() != 2:
-            return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            if padded_attention == attention or model.training:
+                return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            classifier.set_attn_implementation(padded_attention)  # scoring: no backward, no recompute
+            try:
+                return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            finally:
+                classifier.set_attn_implementation(attention)
         keep = attention_mask.bool()
         lengths = keep.sum(1)
         ids = input_ids[keep]  # row after row: the sequences end to end
@@ -55,15 +66,8 @@ def unpad_rows(model) -> str:
         last = torch.full_like(lengths, -1).scatter_reduce(
             0, doc, torch.where(ids != classifier.config.pad_token_id, index, -1), "amax")
         last = torch.where(last < 0, starts, last)  # a sequence of pad tokens only: its first, as HF does
-        previous = classifier.config._attn_implementation
-        if previous != attention:
-            classifier.set_attn_implementation(attention)
-        try:
-            hidden = classifier.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                      attention_mask=document_mask(doc, attention)).last_hidden_state
-        finally:
-            if previous != attention:
-                classifier.set_attn_implementation(previous)
+        hidden = classifier.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                                  attention_mask=document_mask(doc, attention)).last_hidden_state
         return SequenceClassifierOutputWithPast(logits=classifier.score(hidden[0, last]))
 
     model.forward = padding_free_forward
