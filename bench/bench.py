@@ -347,7 +347,7 @@ class Bench:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
 
     def guarded(self, name, fn, need_s=0):
-        if self.args.rows and not any(fnmatch.fnmatch(name, part) for part in self.args.rows.split(",")):
+        if getattr(self.args, "rows", "") and not any(fnmatch.fnmatch(name, part) for part in self.args.rows.split(",")):
             return
         if self.left() < need_s:
             self.results["errors"].append({"name": name, "error": f"skipped: {self.left():.0f} s left"})

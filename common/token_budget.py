@@ -5,9 +5,9 @@ dequantising every 4-bit weight on each forward and backward is spread over fewe
 8 x 768 uniform batches (docs/performance.md). A budget in padded tokens keeps the memory of the
 uniform batches while every micro-batch carries about as many tokens.
 
-Why not padding-free packing: 99% of the tokens in length-grouped batches are real already, the
-reward model's head reads one last token per sequence (packing would need its own pooling), and
-a document mask sends SDPA to its masked kernel, the slow one that `unmask_right_padding` avoids.
+Padding: SFT's length-sorted micro-batches are 99% real tokens, so SFT stays padded. The reward
+model's are 89% real (a pair's two replies differ in length); `padding_free` (common/padding_free.py)
+runs them without padding, and the budget then counts real tokens (rows 0 below).
 
 How: each example costs rows x length padded tokens: SFT one row of its sequence; the reward model
 two rows (chosen, rejected) of the longer reply; DPO its shared-prompt sequence (prompt + chosen +
