@@ -15,8 +15,10 @@ def pipeline(tiny_model, pairs_run, tmp_path_factory) -> dict[str, Path]:
     common = ["--runs_dir", runs]
     sft = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml",
                                "--pairs_run", pairs_run, "--report_to", "wandb", *common))
+    # as the GPU recipes train it: padding-free micro-batches filled to a token budget
     reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
-                                  "--pairs_run", pairs_run, *common))
+                                  "--pairs_run", pairs_run, "--padding_free", "true", "--max_tokens_per_batch", "640",
+                                  *common))
     grpo = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml",
                                 "--sft_run", sft, "--reward_run", reward, *common))
     dpo = run_dir_of(run_stage("04_train_dpo.py", "--config", "configs/tiny/04_train_dpo.yaml", "--sft_run", sft,
@@ -156,6 +158,8 @@ def test_grpo_logs_reward_and_length_per_step(pipeline):
 
 
 def test_reward_metrics_on_dev(pipeline):
+    patches = json.loads((pipeline["reward"] / "manifest.json").read_text())["patches"]
+    assert patches[0] == "padding_free" and "batch_by_tokens" in patches and "unmask_right_padding" not in patches
     metrics = json.loads((pipeline["reward"] / "metrics.json").read_text())
     for key in ("accuracy", "mean_margin", "length_only_accuracy", "score_length_spearman"):
         assert key in metrics
