@@ -20,18 +20,14 @@ import torch
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from common.model import unwrap_peft
+from common.shared_prompt import rule_mask
 
 
 def document_mask(doc: torch.Tensor, attention: str):
     """Causal attention within each sequence (`doc[i]`: the sequence of packed token i), none across."""
     def rule(b, h, q, kv):
         return (kv <= q) & (doc[q] == doc[kv])
-    n = doc.shape[0]
-    if attention == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-        return create_block_mask(rule, B=None, H=None, Q_LEN=n, KV_LEN=n, device=doc.device)
-    i = torch.arange(n, device=doc.device)
-    return rule(None, None, i[:, None], i[None, :])[None, None]
+    return rule_mask(rule, None, doc.shape[0], doc.device, attention)
 
 
 def unpad_rows(model) -> str:

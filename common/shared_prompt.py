@@ -89,16 +89,20 @@ def branch_rule(bounds: torch.Tensor):
 
 
 def attention_mask(bounds: torch.Tensor, length: int, attn_implementation: str):
-    """The rule for the attention the model runs: a BlockMask (flex_attention) or a boolean mask (sdpa)."""
-    rule = branch_rule(bounds)
+    """The branch rule for the attention the model runs (rule_mask)."""
+    return rule_mask(branch_rule(bounds), bounds.shape[0], length, bounds.device, attn_implementation)
+
+
+def rule_mask(rule, batch: int | None, length: int, device, attn_implementation: str):
+    """A FlexAttention mask_mod `rule` as the attention the model runs: a BlockMask (flex_attention) or a
+    boolean mask (sdpa) of (batch or 1, 1, length, length). Shared with common/padding_free.py."""
     if attn_implementation == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
-        return create_block_mask(rule, B=bounds.shape[0], H=None, Q_LEN=length, KV_LEN=length,
-                                 device=bounds.device)
+        return create_block_mask(rule, B=batch, H=None, Q_LEN=length, KV_LEN=length, device=device)
     if attn_implementation != "sdpa":
-        raise ValueError(f"shared_prompt runs with sdpa or flex_attention, not {attn_implementation}")
-    q = torch.arange(length, device=bounds.device)
-    b = torch.arange(bounds.shape[0], device=bounds.device)
+        raise ValueError(f"a rule mask runs with sdpa or flex_attention, not {attn_implementation}")
+    q = torch.arange(length, device=device)
+    b = torch.arange(batch or 1, device=device)
     return rule(b[:, None, None, None], None, q[None, None, :, None], q[None, None, None, :])
 
 
