@@ -837,6 +837,8 @@ class Bench:
         timed = secs[1:] or secs  # the first step carries the warm-up
         step_s = sum(timed) / len(timed)
         gens = timing["rollout_s"][1:] or timing["rollout_s"]
+        # one decode call per rollout when the rollout batch holds the step's completions
+        decodes = list(zip(timing["rollout_s"], timing["prefill_s"]))[1:] if len(timing["prefill_s"]) == len(gens) + 1 else []
         toks = timing["new_tokens"][1:] or timing["new_tokens"]
         premises_per_step = per_step / cfg.num_generations
         dense = "_bf16_rollouts" if cfg.rollout_weights == "bf16" else ""
@@ -850,6 +852,10 @@ class Bench:
                      "seconds_per_step": round(step_s, 3),
                      "rollout_seconds": [round(s, 2) for s in timing["rollout_s"]],
                      "prefill_seconds": timing["prefill_s"],
+                     # per new token after the prefill (the random model rarely ends a reply early)
+                     "decode_ms_per_token": round(1000 * sum(r - p for r, p in decodes)
+                                                  / max(len(decodes) * (cfg.max_completion_length - 1), 1), 2)
+                     if decodes else None,
                      "reward_seconds_total": round(sum(timing["reward_s"]), 2),
                      "rollout_new_tokens_per_s": round(sum(toks) / max(sum(gens), 1e-9), 1),
                      "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),

@@ -3,18 +3,19 @@
 `decode` is the fast path for Llama-family models: it runs the decoder layers itself over a
 preallocated KV cache, so that on a GPU each new token is one CUDA graph replay. HF `generate` on a
 4-bit model with LoRA is bound by Python launching thousands of small kernels per token (measured:
-about 530 new tokens/s for 64 sequences on an H200, docs/performance.md); a replayed graph has no such cost. The LoRA
-adapter is not merged: generation runs the very modules and weights that training updates.
+about 530 new tokens/s for 64 sequences on an H200, docs/performance.md); a replayed graph has no such cost, and
+the step it replays (`common/decode_step.py`) launches few kernels. The LoRA adapter is not merged:
+generation runs the very weights that training updates.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 import torch.nn.functional as F
 
 from common.data import token_ids
+from common.decode_step import DecodeStep
 from common.model import unwrap_peft
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,9 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _layers_forward(lm, ids, positions, keys, values, slots, mask=None, valid=None):
-    """The decoder over `ids` (B, T), writing K/V at cache `slots`, returning last-position logits (B, V).
-    Prefill (T > 1) attends over the first T slots through SDPA with `mask` (B, 1, T, T); a decode
-    step (T == 1) attends over the whole cache where `valid` (B, L) is set, as a grouped matmul that
-    reads each K/V head once (no copy per query head)."""
+def _prefill(lm, ids, positions, keys, values, mask):
+    """The decoder over prompt `ids` (B, T) through the model's own modules, K/V written to the first
+    T cache slots, attention by SDPA with `mask` (B, 1, T, T); returns last-position logits (B, V)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     core = lm.model
     h = core.embed_tokens(ids)
@@ -79,21 +78,12 @@ def _layers_forward(lm, ids, positions, keys, values, slots, mask=None, valid=No
         k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys[i].index_copy_(2, slots, k)
-        values[i].index_copy_(2, slots, v)
-        n_kv = k.shape[1]
-        rep = q.shape[1] // n_kv
-        if T > 1:
-            kk = keys[i][:, :, :T].repeat_interleave(rep, dim=1)
-            vv = values[i][:, :, :T].repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=attn.scaling)
-            o = o.transpose(1, 2).reshape(B, T, -1)
-        else:
-            qg = q.view(B, n_kv, rep, hd)  # query head j uses K/V head j // rep, as repeat_kv does
-            scores = torch.matmul(qg, keys[i].transpose(-1, -2)).float() * attn.scaling
-            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-            o = torch.matmul(scores.softmax(-1).to(values[i].dtype), values[i]).reshape(B, 1, -1)
-        h = h + attn.o_proj(o)
+        keys[i][:, :, :T] = k
+        values[i][:, :, :T] = v
+        rep = q.shape[1] // k.shape[1]
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                           attn_mask=mask, scale=attn.scaling)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return lm.lm_head(core.norm(h[:, -1:]))[:, -1].float()
 
@@ -101,10 +91,12 @@ def _layers_forward(lm, ids, positions, keys, values, slots, mask=None, valid=No
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int,
            temperature: float = 1.0, repetition_penalty: float = 1.0, cuda_graph: bool | None = None,
-           prefill_tokens: int = 8192) -> list[list[int]]:
+           prefill_tokens: int = 8192, weights: str = "nf4") -> list[list[int]]:
     """New tokens for each prompt (sampled at `temperature`, greedy at 0), cut after the first end
-    token. The model must be in eval mode (no LoRA dropout). On CUDA each step after the prefill is
-    captured once as a graph and replayed; `cuda_graph=False` runs the same step eagerly."""
+    token. The model must be in eval mode (no LoRA dropout). The prompts run through the model's own
+    modules; each later step is `DecodeStep`'s fused one (`weights`: its base weights, "nf4" or
+    "bf16"). On CUDA that step is captured once as a graph and replayed; `cuda_graph=False` runs it
+    eagerly."""
     lm = unwrap_peft(model)
     core = lm.model
     device = core.embed_tokens.weight.device
@@ -130,17 +122,16 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
     causal = arange[None, :] <= arange[:, None]
     # A pad query attends to itself only, so that no row of the mask is empty (NaN).
     mask = (causal[None] & key_ok[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-    slots = arange
     logits = torch.empty(B, lm.lm_head.weight.shape[0], device=device)
     rows = max(1, prefill_tokens // P)
     for r0 in range(0, B, rows):
         r = slice(r0, min(B, r0 + rows))
-        logits[r] = _layers_forward(lm, ids[r], positions[r], [k[r] for k in keys], [v[r] for v in values],
-                                    slots, mask=mask[r, None])
+        logits[r] = _prefill(lm, ids[r], positions[r], [k[r] for k in keys], [v[r] for v in values], mask[r, None])
 
     # Decode state, all in fixed tensors so that one captured step can be replayed.
-    valid = torch.zeros(B, L, dtype=torch.bool, device=device)
-    valid[:, :P] = key_ok
+    fused_step = DecodeStep(model, weights)
+    bias = torch.full((B, 1, 1, L), float("-inf"), device=device)  # 0 where a cache slot may be attended
+    bias[:, 0, 0, :P].masked_fill_(key_ok, 0.0)
     seen = None
     if repetition_penalty != 1.0:
         seen = torch.zeros(B, logits.shape[1], dtype=torch.bool, device=device)
@@ -155,8 +146,8 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
     step_i = torch.tensor([1], device=device)
 
     def step():
-        valid.index_fill_(1, slot, True)
-        lg = _layers_forward(lm, tok[:, None], pos, keys, values, slot, valid=valid)
+        bias.index_fill_(-1, slot, 0.0)
+        lg = fused_step(tok, pos, keys, values, slot, bias)
         nxt = _pick(lg, temperature, repetition_penalty, seen)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out.index_copy_(1, step_i, nxt[:, None])
@@ -167,7 +158,7 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
         step_i.add_(1)
 
     n_steps = max_new_tokens - 1
-    graph = _capture(step, [valid, tok, done, out, slot, pos, step_i] + ([seen] if seen is not None else [])) \
+    graph = _capture(step, [bias, tok, done, out, slot, pos, step_i] + ([seen] if seen is not None else [])) \
         if cuda_graph and n_steps > 0 else None
     for i in range(n_steps):
         graph.replay() if graph is not None else step()
@@ -221,43 +212,11 @@ def _capture(step, state):
         return None
 
 
-@contextlib.contextmanager
-def dense_base_weights(model):
-    """Inside: every 4-bit linear layer of the base runs `F.linear` on a bf16 copy of its weight,
-    dequantised once and kept on the model (`_dense_base`, about 2 bytes a weight) for later rollouts.
-    The base is frozen, so the copy never goes stale; the LoRA layers stay unmerged on top and are the
-    live trained ones. A decode step then reads bf16 weights instead of dequantising every 4-bit
-    weight for each token."""
-    import bitsandbytes as bnb
-    from bitsandbytes.functional import dequantize_4bit
-    cache = model.__dict__.setdefault("_dense_base", {})
-    swapped = []
-    for name, module in model.named_modules():
-        if not isinstance(module, bnb.nn.Linear4bit):
-            continue
-        if name not in cache:
-            dtype = module.compute_dtype or torch.bfloat16
-            cache[name] = dequantize_4bit(module.weight.data, module.weight.quant_state).to(dtype)
-        swapped.append(module)
-        module.forward = _dense_linear(cache[name], module.bias)
-    try:
-        yield
-    finally:
-        for module in swapped:
-            del module.forward  # the class's own forward again
-
-
-def _dense_linear(weight, bias):
-    def forward(x):  # as Linear4bit: computed in its compute dtype, returned in the input's
-        return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
-    return forward
-
-
 def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, weights: str = "nf4"):
     """A TRL `rollout_func` for GRPOTrainer: sampled completions from `decode` for the trainer's policy
     (the 4-bit base with its live LoRA adapter, in eval mode while sampling), `batch_size` sequences at
-    a time. Its prompts are tokenised exactly as TRL does. weights "bf16": the base's linear layers
-    run on their bf16 copies while sampling (`dense_base_weights`)."""
+    a time. Its prompts are tokenised exactly as TRL does. weights "bf16": each decode step reads bf16
+    copies of the base weights instead of dequantising the 4-bit ones (`DecodeStep`)."""
     def rollout(prompts, trainer):
         tokenizer = trainer.processing_class
         if hasattr(trainer, "_tokenize_prompts"):
@@ -270,10 +229,9 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, 
         model.eval()
         eos = list(getattr(trainer, "eos_token_ids", None) or eos_ids(model, tokenizer))
         completions = []
-        with dense_base_weights(model) if weights == "bf16" else contextlib.nullcontext():
-            for start in range(0, len(prompt_ids), batch_size):
-                completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,
-                                      tokenizer.pad_token_id, temperature=temperature)
+        for start in range(0, len(prompt_ids), batch_size):
+            completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,
+                                  tokenizer.pad_token_id, temperature=temperature, weights=weights)
         model.train(was_training)
         return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completions, "logprobs": None}
     return rollout

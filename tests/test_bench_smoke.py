@@ -68,45 +68,87 @@ def test_sampled_decode_stops_at_end_token(lora_tiny):
     assert all(tok.eos_token_id not in o[:-1] for o in out)  # cut right after the first end token
 
 
-def test_rollouts_on_bf16_base_weights_equal_the_4bit_decode_and_follow_the_live_lora(tiny_model):
-    """rollout_weights: bf16. The base's 4-bit linears run on bf16 copies made once; the greedy tokens
-    are those of the 4-bit decode (itself HF generate's, above), and after the LoRA moves (a training
-    step) they still are: the copies hold the frozen base only."""
+@pytest.fixture(scope="module")
+def four_bit_lora(tiny_model):
+    """The tiny Llama as the pipeline loads it (NF4 base, bf16 compute, rsLoRA), its LoRA B not zero."""
     from common.config import ModelArgs
-    from common.generation import decode, dense_base_weights, eos_ids
     from common.model import CAUSAL_LM, load_model, load_tokenizer
-    torch.manual_seed(0)
     args = ModelArgs(model_name_or_path=str(tiny_model))
     tok = load_tokenizer(args)
-    model = load_model(args, CAUSAL_LM, tokenizer=tok).eval()
+    return load_model(args, CAUSAL_LM, tokenizer=tok).eval(), tok
+
+
+def _random_lora(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+
+
+@pytest.mark.parametrize("weights", ["nf4", "bf16"])
+def test_fused_decode_step_gives_the_models_own_logits(four_bit_lora, weights):
+    """One fused step (stacked q/k/v and gate/up, batched LoRA, folded residuals, 4-bit or bf16 base)
+    after a prefill gives the logits of the model's own forward over the whole prompt, far closer than
+    the LoRA's own effect on them (so a LoRA dropped, misplaced or mis-scaled fails)."""
+    from common.decode_step import DecodeStep
+    from common.generation import _prefill
+    from common.model import unwrap_peft
+    model, _ = four_bit_lora
+    _random_lora(model, 3)
+    lm = unwrap_peft(model)
+    dev = lm.model.embed_tokens.weight.device
+    ids = torch.tensor([[0, 3, 442, 271, 4] + list(range(10, 17)), [0, 3, 442, 271, 4] + list(range(40, 47))], device=dev)
+    B, T = ids.shape
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[:, -1].float()
+        with model.disable_adapter():
+            no_lora = model(input_ids=ids).logits[:, -1].float()
+        attn, cfg = lm.model.layers[0].self_attn, lm.config
+        keys = torch.zeros(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, attn.head_dim, dtype=torch.bfloat16, device=dev)
+        values = torch.zeros_like(keys)
+        causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=dev).tril()[None, None].expand(B, 1, -1, -1)
+        _prefill(lm, ids[:, :-1], torch.arange(T - 1, device=dev)[None].expand(B, -1), keys, values, causal)
+        step = DecodeStep(model, weights)
+        logits = step(ids[:, -1], torch.full((B, 1), T - 1, device=dev), keys, values, torch.tensor([T - 1], device=dev),
+                      torch.zeros(B, 1, 1, T, device=dev))
+    lora_effect = (ref - no_lora).abs().max()
+    assert lora_effect > 0.1
+    assert (logits - ref).abs().max() < 0.1 * lora_effect
+
+
+def test_rollouts_on_bf16_base_weights_equal_the_4bit_decode_and_follow_the_live_lora(four_bit_lora):
+    """rollout_weights: bf16. The decode step reads bf16 copies of the base made once; the greedy
+    tokens are those of the 4-bit decode, and after the LoRA moves (a training step) they still are:
+    the copies hold the frozen base only."""
+    from common.generation import decode, eos_ids
+    model, tok = four_bit_lora
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
     eos = eos_ids(model, tok)
 
-    def greedy():
-        return decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, prefill_tokens=40)
+    def greedy(weights):
+        return decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, prefill_tokens=40, weights=weights)
 
     for seed in (1, 2):  # two different adapters: the second one after the bf16 copies exist
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05)
-        four_bit = greedy()
-        with dense_base_weights(model):
-            dense = greedy()
-        assert dense == four_bit, seed
-        assert greedy() == four_bit  # the 4-bit forward is back after the rollout
-    assert len(model._dense_base) == 7 * len(model.get_base_model().model.layers)  # every projection, once
+        _random_lora(model, seed)
+        assert greedy("bf16") == greedy("nf4"), seed
+    layers = len(model.get_base_model().model.layers)
+    assert len(model._dense_base) == 4 * layers  # q/k/v, o, gate/up and down of each layer, once
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: CUDA-graph decode (bench/bench.py measures it)")
-def test_gpu_cuda_graph_decode_equals_eager(lora_tiny):
+@pytest.mark.parametrize("case", ["fp32", "nf4", "bf16"])
+def test_gpu_cuda_graph_decode_equals_eager(lora_tiny, four_bit_lora, case):
+    """The captured fused step (4-bit dequantising into its scratch buffer included) replays to the
+    tokens of the same step run eagerly."""
     from common.generation import GRAPH_FAILURES, decode
-    model, tok = lora_tiny
-    model = model.cuda()
+    model, tok = (lora_tiny[0].cuda(), lora_tiny[1]) if case == "fp32" else four_bit_lora
+    weights = "bf16" if case == "bf16" else "nf4"
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17)]
-    eager = decode(model, prompts, 16, [tok.eos_token_id], tok.pad_token_id, temperature=0.0, cuda_graph=False)
-    graph = decode(model, prompts, 16, [tok.eos_token_id], tok.pad_token_id, temperature=0.0, cuda_graph=True)
+    eager = decode(model, prompts, 16, [tok.eos_token_id], tok.pad_token_id, temperature=0.0, cuda_graph=False,
+                   weights=weights)
+    graph = decode(model, prompts, 16, [tok.eos_token_id], tok.pad_token_id, temperature=0.0, cuda_graph=True,
+                   weights=weights)
     assert graph == eager and not GRAPH_FAILURES
 
 

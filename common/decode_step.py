@@ -1,0 +1,161 @@
+"""One decode step of a Llama decoder with LoRA in few kernels: what `generation.decode` replays.
+
+A decode step (one new token for each of B sequences) is bound by how many kernels it launches,
+not by arithmetic or by reading the weights (docs/performance.md): peft runs each LoRA linear as
+five kernels, a 4-bit weight adds three to dequantise, and HF's attention a dozen more. Here each
+decoder layer runs its linear layers that read one input (q/k/v, then gate/up) as one matmul over
+their stacked base weights, one matmul over their stacked LoRA A and one addmm that adds every
+LoRA B product with its scaling (a block-diagonal B); the residual adds ride in the o and down
+matmuls, q and k are rotated together, and the attention mask is an additive bias kept across
+layers. About 27 kernels a layer instead of about 70.
+
+The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the compute dtype, as
+training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
+- "nf4": each 4-bit weight is dequantised into one scratch buffer on every step, as bitsandbytes
+  does, but with the absmax of double quantisation decoded once and kept on the model (the base is
+  frozen; 4 bytes per 64 weights).
+- "bf16": stacked bf16 copies kept on the model (`_dense_base`, 2 bytes a weight), made at the first
+  decode: no dequantising per token, for GPUs with room.
+A base that is not 4-bit (a full-precision test model) is stacked at each decode.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+
+def _lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(A, B, scaling) of each active, unmerged LoRA adapter of a peft layer; none for a plain linear."""
+    if not hasattr(module, "lora_A") or module.disable_adapters or module.merged:
+        return []
+    parts = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if module.use_dora.get(name) or module.lora_B[name].bias is not None:
+            raise NotImplementedError("decode: DoRA and LoRA bias are not supported by the fused step")
+        parts.append((module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]))
+    return parts
+
+
+def _is_4bit(linear) -> bool:
+    return hasattr(getattr(linear, "weight", None), "quant_state")
+
+
+def _absmax(model, name, linear) -> torch.Tensor:
+    """The fp32 absmax of a 4-bit weight, double quantisation decoded once and kept."""
+    from bitsandbytes.functional import dequantize_blockwise
+    cache = model.__dict__.setdefault("_nf4_absmax", {})
+    if name not in cache:
+        qs = linear.weight.quant_state
+        cache[name] = (dequantize_blockwise(qs.absmax, qs.state2) + qs.offset) if qs.nested else qs.absmax.float()
+    return cache[name]
+
+
+def _dequantize(linear, absmax, out=None) -> torch.Tensor:
+    qs = linear.weight.quant_state
+    args = (linear.weight.data, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype)
+    if out is None:
+        return torch.ops.bitsandbytes.dequantize_4bit(*args)
+    if out.is_cuda:
+        torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
+    else:  # bitsandbytes 0.50 registers the out= form for CUDA only
+        out.copy_(torch.ops.bitsandbytes.dequantize_4bit(*args))
+    return out
+
+
+class _Group:
+    """Linear layers that read one input: y = x W^T (+ residual) + (x A^T) B_blk^T, three kernels."""
+
+    def __init__(self, model, names, modules, weights, dtype, scratch):
+        bases = [getattr(m, "base_layer", m) for m in modules]
+        if any(b.bias is not None for b in bases):
+            raise NotImplementedError("decode: linear layers with a bias are not supported by the fused step")
+        self.sizes = [b.out_features for b in bases]
+        self.in_features = bases[0].in_features
+        rows = sum(self.sizes)
+        self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
+        if self.nf4:  # dequantised into `scratch` at each step
+            self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
+            self.weight = scratch[:rows * self.in_features].view(rows, self.in_features)
+        elif all(_is_4bit(b) for b in bases):  # bf16 copies, made once: the base is frozen
+            cache = model.__dict__.setdefault("_dense_base", {})
+            key = names[0] if len(names) == 1 else ",".join(names)
+            if key not in cache:
+                cache[key] = torch.cat([_dequantize(b, _absmax(model, n, b)) for n, b in zip(names, bases)]).to(dtype)
+            self.weight = cache[key]
+        else:
+            self.weight = torch.cat([b.weight for b in bases]).to(dtype)
+        # The live LoRA weights, copied now: A stacked, B block-diagonal with each scaling folded in.
+        parts = [_lora_parts(m) for m in modules]
+        ranks = sum(a.shape[0] for p in parts for a, _, _ in p)
+        self.lora_a = self.lora_b = None
+        if ranks:
+            self.lora_a = torch.cat([a for p in parts for a, _, _ in p]).to(dtype)
+            self.lora_b = torch.zeros(rows, ranks, dtype=dtype, device=self.lora_a.device)
+            r0 = o0 = 0
+            for size, p in zip(self.sizes, parts):
+                for a, b, scale in p:
+                    self.lora_b[o0:o0 + size, r0:r0 + a.shape[0]] = b * scale
+                    r0 += a.shape[0]
+                o0 += size
+
+    def __call__(self, x, residual=None):
+        if self.nf4:
+            o0 = 0
+            for (linear, absmax), size in zip(self.bases, self.sizes):
+                _dequantize(linear, absmax, self.weight[o0:o0 + size])
+                o0 += size
+        y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
+        if self.lora_a is not None:
+            y = torch.addmm(y, F.linear(x, self.lora_a), self.lora_b.t())
+        return y
+
+
+class DecodeStep:
+    """The fused decode step of one decode call: `logits = step(tok, pos, keys, values, slot, bias)`."""
+
+    def __init__(self, model, weights: str = "nf4"):
+        from common.model import unwrap_peft
+        self.lm = lm = unwrap_peft(model)
+        core = lm.model
+        self.dtype = dtype = core.embed_tokens.weight.dtype
+        names = {id(m): n for n, m in model.named_modules()}
+        groups = [[(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)]
+                  for a, m in ((layer.self_attn, layer.mlp) for layer in core.layers)]
+        # "nf4": one scratch buffer, as large as the largest stacked group, takes every dequantised weight.
+        bases = [[getattr(m, "base_layer", m) for m in g] for g in groups[0]]
+        widest = max(sum(b.weight.numel() * 2 for b in g if _is_4bit(b)) for g in bases)  # two weights a byte
+        scratch = torch.empty(widest if weights == "nf4" else 0, dtype=dtype, device=core.embed_tokens.weight.device)
+        self.layers = [(layer, *(_Group(model, [names[id(m)] for m in g], g, weights, dtype, scratch) for g in gs))
+                       for layer, gs in zip(core.layers, groups)]
+        attn = core.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.n_heads, self.n_kv = lm.config.num_attention_heads, lm.config.num_key_value_heads
+        self.act = ACT2FN[lm.config.hidden_act]
+
+    def __call__(self, tok, pos, keys, values, slot, bias):
+        """Logits (B, V) for tokens `tok` (B,) at positions `pos` (B, 1): K/V written at cache `slot`;
+        `bias` (B, 1, 1, L) is 0 where a cache position may be attended and -inf elsewhere."""
+        core, hd, nq, nkv = self.lm.model, self.head_dim, self.n_heads, self.n_kv
+        B, half = tok.shape[0], self.head_dim // 2
+        h = core.embed_tokens(tok)
+        cos, sin = (t[:, 0, None, :] for t in core.rotary_emb(h[:, None], pos))  # (B, 1, hd)
+        # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        for i, (layer, qkv, o_proj, gate_up, down) in enumerate(self.layers):
+            y = qkv(layer.input_layernorm(h))
+            qk = y[:, :(nq + nkv) * hd].view(B, nq + nkv, hd)
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
+            keys[i].index_copy_(2, slot, qk[:, nq:, None])  # (B, nkv, 1, hd) into (B, nkv, L, hd)
+            values[i].index_copy_(2, slot, y[:, (nq + nkv) * hd:].view(B, nkv, 1, hd))
+            # query head j reads K/V head j // (nq // nkv), as repeat_kv does, without copying K/V
+            scores = torch.matmul(qk[:, :nq].reshape(B, nkv, nq // nkv, hd), keys[i].transpose(-1, -2))
+            probs = torch.add(bias, scores, alpha=self.scaling).softmax(-1).to(self.dtype)  # fp32 softmax
+            attn = torch.matmul(probs, values[i]).view(B, nq * hd)
+            h = o_proj(attn, residual=h)
+            y = gate_up(layer.post_attention_layernorm(h))
+            gate, up = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:]
+            h = down(self.act(gate) * up, residual=h)
+        return self.lm.lm_head(core.norm(h)).float()
