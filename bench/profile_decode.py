@@ -1,0 +1,132 @@
+"""Where a GRPO rollout's decode step spends its time: kernels of the fused step, by operator.
+
+    python bench/profile_decode.py --out bench/out/decode    # one GPU, the random Llama 3 8B shape
+    python bench/profile_decode.py --tiny --out /tmp/decode  # CPU smoke run on the tiny model
+
+For each base-weight mode ("nf4", "bf16"): 64 prompts of real ChangeMyView prompt lengths (up to
+512 tokens), the milliseconds per new token of the CUDA-graph decode (over 128 tokens, prefill
+excluded), then three eager steps under torch.profiler: kernel count and GPU time per step, and the
+operators by GPU time with their input shapes. If the kernels' own time is close to the graph's ms per
+token, the step is bound by the kernels, not by launching them. Writes decode_profile.json and one
+table per mode under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+
+
+def load(args):
+    from common.config import ModelArgs
+    from common.model import CAUSAL_LM, load_model, load_tokenizer
+    path = bench.TINY_MODEL if args.tiny else Path(args.model)
+    if not args.tiny:
+        bench.build_random_model(path)
+    margs = ModelArgs(model_name_or_path=str(path), lora_dropout=0.0)
+    tok = load_tokenizer(margs)
+    model = load_model(margs, CAUSAL_LM, tokenizer=tok).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    if torch.cuda.is_available():  # as GRPO runs it (liger_kernel: true)
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+        from common.model import unwrap_peft
+        _apply_liger_kernel_to_instance(unwrap_peft(model), rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=False)
+    return model, tok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/out/decode")
+    ap.add_argument("--model", default="/tmp/llama3-8b-random")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    import common.generation as gen
+    from common.decode_step import DecodeStep
+    model, tok = load(args)
+    vocab = min(len(tok), model.config.vocab_size) if args.tiny else 100_000
+    lengths = json.loads(bench.LENGTHS.read_text())["prompts"] if not args.tiny else [12, 20]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, vocab) for _ in range(rng.choice(lengths))] for _ in range(args.batch)]
+    eos = [tok.eos_token_id]
+    results = {"meta": bench.meta(args), "rows": []}
+    capture = gen._capture
+    for weights in ("nf4", "bf16"):
+        gen.decode(model, prompts[:2], 4, eos, tok.pad_token_id, weights=weights)  # warm-up, bf16 copies made
+        marks = []
+
+        def timed_capture(step, state):  # decode calls it once its prefill is done
+            bench.sync()
+            marks.append(time.perf_counter())
+            return capture(step, state)
+        gen._capture = timed_capture
+        bench.mem_reset()
+        bench.sync()
+        t0 = time.perf_counter()
+        gen.decode(model, prompts, args.new_tokens, [-1], tok.pad_token_id, weights=weights)  # no end token
+        bench.sync()
+        t1 = time.perf_counter()
+        gen._capture = capture
+        prefill = (marks[0] - t0) if marks else None
+        ms = 1000 * (t1 - marks[0]) / (args.new_tokens - 1) if marks else None
+
+        # Eager steps 2-4 under the profiler (step 1 picks kernels).
+        prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+                       record_shapes=True)
+        calls = {"n": 0}
+        step_call = DecodeStep.__call__
+
+        def profiled(self, *a):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                bench.sync()
+                prof.start()
+            result = step_call(self, *a)
+            if calls["n"] == 4:
+                bench.sync()
+                prof.stop()
+            return result
+        DecodeStep.__call__ = profiled
+        try:
+            gen.decode(model, prompts, 6, [-1], tok.pad_token_id, weights=weights, cuda_graph=False)
+        finally:
+            DecodeStep.__call__ = step_call
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        gpu_ms = sum(e.device_time for e in kernels) / 1000 / 3
+        row = {"weights": weights, "batch": args.batch, "new_tokens": args.new_tokens, "prefill_s": prefill,
+               "graph_ms_per_token": ms, "kernels_per_step": len(kernels) / 3, "kernel_ms_per_step": gpu_ms,
+               "peak_gib": bench.peak_gib()}
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        (out / f"decode_{weights}.txt").write_text(
+            json.dumps(row) + "\n\n"
+            + prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70) + "\n\nby input shape:\n"
+            + prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=30, max_name_column_width=50,
+                                                                  max_shapes_column_width=90))
+        (out / "decode_profile.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
