@@ -1004,7 +1004,10 @@ def build_random_model(path: Path, tokenizer_from: Path = TINY_MODEL) -> None:
     """A random-initialised Llama 3 8B shape (bf16 safetensors), made on the GPU, with the stand-in
     tokenizer beside it. Loaded later through load_model, 4-bit quantisation included."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    if (path / "config.json").is_file():
+
+    from common.local_models import ensure
+    ensure("tiny", tokenizer_from)  # the stand-in tokenizer: built from the bundled data if missing
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return
     t = time.perf_counter()
     config = LlamaConfig(**LLAMA3_8B, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
@@ -1104,9 +1107,10 @@ def main(argv=None):
         return
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("no GPU: use --tiny for the CPU smoke run")
-    from common.local_models import ensure
-    ensure("tiny", TINY_MODEL)  # the stand-in tokenizer (and --tiny's model): built from the bundled data if missing
-    if not args.tiny:
+    if args.tiny:
+        from common.local_models import ensure
+        ensure("tiny", TINY_MODEL)  # built from the bundled data if missing
+    else:
         build_random_model(Path(args.model))
     if args.profile:
         global PROFILE_DIR

@@ -29,9 +29,12 @@ import bench  # noqa: E402
 
 def load(args):
     from common.config import ModelArgs
+    from common.local_models import ensure
     from common.model import CAUSAL_LM, load_model, load_tokenizer
     path = bench.TINY_MODEL if args.tiny else Path(args.model)
-    if not args.tiny:
+    if args.tiny:
+        ensure("tiny", path)
+    else:
         bench.build_random_model(path)
     margs = ModelArgs(model_name_or_path=str(path), lora_dropout=0.0)
     tok = load_tokenizer(margs)
