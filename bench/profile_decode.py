@@ -13,6 +13,7 @@ table per mode under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -53,6 +54,59 @@ def load(args):
     return model, tok
 
 
+def attention_variants(B=64, L=768, nq=32, nkv=8, hd=128, iters=50) -> list[dict]:
+    """The decode step's attention (one query per sequence over a (B, nkv, L, hd) cache, an additive
+    mask for left padding) by several kernels, each timed and checked against the first."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.randn(B, nq, 1, hd, device=dev, dtype=dt)
+    keys, values = (torch.randn(B, nkv, L, hd, device=dev, dtype=dt) for _ in range(2))
+    bias = torch.zeros(B, 1, 1, L, device=dev)
+    for b in range(B):
+        bias[b, ..., :b * 4] = float("-inf")  # left padding of up to 252 slots
+    scale, rep = hd ** -0.5, nq // nkv
+
+    def grouped_bmm():  # DecodeStep's: query head j reads K/V head j // rep without copying K/V
+        scores = torch.matmul(q.view(B, nkv, rep, hd), keys.transpose(-1, -2))
+        probs = torch.add(bias, scores, alpha=scale).softmax(-1).to(dt)
+        return torch.matmul(probs, values).view(B, nq, 1, hd)
+
+    def transposed_bmm():  # K (L, hd) @ q^T: the long side as the matmul's rows
+        scores = torch.matmul(keys, q.view(B, nkv, rep, hd).transpose(-1, -2))  # (B, nkv, L, rep)
+        probs = torch.add(bias.transpose(-1, -2), scores, alpha=scale).softmax(-2).to(dt)
+        return torch.matmul(values.transpose(-1, -2), probs).permute(0, 1, 3, 2).reshape(B, nq, 1, hd)
+
+    def sdpa(backend=None, mask=True):
+        def run():
+            m = bias.to(dt) if mask else None
+            with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=m, scale=scale, enable_gqa=True)
+        return run
+    variants = {"grouped_bmm": grouped_bmm, "transposed_bmm": transposed_bmm, "sdpa_default": sdpa(),
+                "sdpa_efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+                "sdpa_math": sdpa(SDPBackend.MATH),
+                "sdpa_flash_no_mask (wrong: speed bound only)": sdpa(SDPBackend.FLASH_ATTENTION, mask=False)}
+    ref, rows = grouped_bmm().float(), []
+    for name, fn in variants.items():
+        try:
+            out = fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            rows.append({"variant": name, "B": B, "L": L, "us_per_layer": round(1000 * start.elapsed_time(end) / iters, 1),
+                         "max_abs_diff": round(float((out.float() - ref).abs().max()), 4)})
+        except Exception as err:  # a backend that refuses these shapes
+            rows.append({"variant": name, "error": f"{type(err).__name__}: {err}"[:300]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench/out/decode")
@@ -65,6 +119,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     from torch.profiler import ProfilerActivity, profile
 
+    results = {"meta": bench.meta(args), "rows": []}
+    if torch.cuda.is_available():
+        results["attention"] = [r for L in (518, 768) for r in attention_variants(L=L)]
     import common.generation as gen
     from common.decode_step import DecodeStep
     model, tok = load(args)
@@ -73,7 +130,6 @@ def main(argv=None):
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, vocab) for _ in range(rng.choice(lengths))] for _ in range(args.batch)]
     eos = [tok.eos_token_id]
-    results = {"meta": bench.meta(args), "rows": []}
     capture = gen._capture
     for weights in ("nf4", "bf16"):
         gen.decode(model, prompts[:2], 4, eos, tok.pad_token_id, weights=weights)  # warm-up, bf16 copies made

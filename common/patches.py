@@ -13,7 +13,7 @@ forward or a trainer's data behind the config's back.
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (common/token_budget.py) |
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
 | offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
-| apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE |
+| apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE (the RoPE through `batch_folded_rope`) |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
 | shared_prompt | DPO's shared_prompt | a pair as one sequence (common/shared_prompt.py; installed before TRL's DPOTrainer is built) |
 """
@@ -92,14 +92,39 @@ def apply_liger_kernels(trainer) -> bool:
         log.warning("liger_kernel: true but the liger-kernel package is missing (pip install liger-kernel==0.8.5): "
                     "training runs without its kernels, slower")
         return False
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.llama import modeling_llama
     judges = [getattr(f, "scorer", f) for f in getattr(trainer, "reward_funcs", [])]  # WatchedReward wraps one
     models = [trainer.model] + [getattr(j, "model", None) for j in judges]
     for model in models:
         if model is not None and not getattr(model, "_liger_applied", False):
-            _apply_liger_kernel_to_instance(unwrap_peft(model), rope=True, rms_norm=True, swiglu=True,
+            llama = unwrap_peft(model).config.model_type == "llama"
+            _apply_liger_kernel_to_instance(unwrap_peft(model), rope=not llama, rms_norm=True, swiglu=True,
                                             cross_entropy=False, fused_linear_cross_entropy=False)
+            if llama:  # as Liger patches it (for every Llama of the process), batch folded
+                modeling_llama.apply_rotary_pos_emb = batch_folded_rope(liger_rotary_pos_emb)
             model._liger_applied = True
     return True
+
+
+def batch_folded_rope(rope):
+    """`rope` (an `apply_rotary_pos_emb`) over a batch folded into one sequence. Liger's RoPE kernel
+    takes the batch size as a compile-time constant, so every new number of rows in a micro-batch
+    (token-budget batches vary it) compiled it again, forward and backward: 1.0 s of CPU each way over
+    the 5 profiled steps of a real-length SFT run (bench/RESULTS.md). Folded, it sees batch 1 only.
+    Each position keeps its own cos/sin row, so the result is the same."""
+    def apply(q, k, cos, sin):  # as Llama's attention calls it
+        B, _, T, D = q.shape
+
+        def fold(x):  # (B, H, T, D) -> (1, H, B*T, D); a view of the projections' (B, T, H, D) output
+            return x.transpose(1, 2).reshape(1, B * T, x.shape[1], D).transpose(1, 2)
+
+        def unfold(x):
+            return x.transpose(1, 2).reshape(B, T, x.shape[1], D).transpose(1, 2)
+        cos, sin = (c.expand(B, T, -1).reshape(1, B * T, -1) for c in (cos, sin))
+        q, k = rope(fold(q), fold(k), cos, sin)
+        return unfold(q), unfold(k)
+    return apply
 
 
 def chunk_mlps(model, tokens: int) -> None:

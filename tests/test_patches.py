@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+import torch
 import trl
 
 
@@ -47,3 +49,50 @@ def test_trainer_hooks_of_token_budget_batches_still_exist():
                                                                               "device"]
     assert "get_batch_samples" in inspect.getsource(trainer._run_epoch)
     assert "self.loss_is_scaled_for_ga" in inspect.getsource(trainer.training_step)
+
+
+def _rope_inputs(B=3, H=4, KV=2, T=5, D=8):
+    """q, k as Llama's attention makes them (a transposed view of the projections' output) and
+    cos/sin for per-row positions (left padding shifts them)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, D, requires_grad=True)
+    k = torch.randn(B, T, KV, D, requires_grad=True)
+    positions = torch.stack([torch.arange(T) + shift for shift in range(B)])
+    cos, sin = LlamaRotaryEmbedding(LlamaConfig(hidden_size=H * D, num_attention_heads=H))(q, positions)
+    return q, k, cos, sin
+
+
+def test_batch_folded_rope_equals_the_batched_one_values_and_gradients():
+    """apply_liger_kernels folds the batch into one sequence so that Liger's kernel, which compiles
+    per batch size, compiles once; the rotation (and its gradient) is that of the batched call."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from common.patches import batch_folded_rope
+    q, k, cos, sin = _rope_inputs()
+    results = []
+    for rope in (apply_rotary_pos_emb, batch_folded_rope(apply_rotary_pos_emb)):
+        q.grad = k.grad = None
+        rq, rk = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        (rq.square().sum() + rk.sum()).backward()
+        results.append([rq.detach(), rk.detach(), q.grad.clone(), k.grad.clone()])
+    for mine, theirs in zip(*results):
+        torch.testing.assert_close(mine, theirs)
+    wrong = batch_folded_rope(apply_rotary_pos_emb)(q.transpose(1, 2), k.transpose(1, 2), cos.flip(0), sin.flip(0))[0]
+    assert not torch.allclose(wrong, results[0][0])  # each row keeps its own positions
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: Liger's Triton RoPE")
+def test_gpu_batch_folded_liger_rope_equals_hf_rope():
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from common.patches import batch_folded_rope
+    q, k, cos, sin = (t.detach().cuda() for t in _rope_inputs(B=4, H=32, KV=8, T=40, D=128))
+    ref = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    mine = batch_folded_rope(liger_rotary_pos_emb)(q.transpose(1, 2).clone(), k.transpose(1, 2).clone(), cos, sin)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
