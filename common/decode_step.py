@@ -6,8 +6,8 @@ five kernels, a 4-bit weight adds three to dequantise, and HF's attention a doze
 decoder layer runs its linear layers that read one input (q/k/v, then gate/up) as one matmul over
 their stacked base weights, one matmul over their stacked LoRA A and one addmm that adds every
 LoRA B product with its scaling (a block-diagonal B); the residual adds ride in the o and down
-matmuls, q and k are rotated together, and the attention mask is an additive bias kept across
-layers. About 27 kernels a layer instead of about 70.
+matmuls, q and k are rotated together, and the attention is SDPA's over the cache with an additive
+mask kept across layers. About 24 kernels a layer instead of about 70.
 
 The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the compute dtype, as
 training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
@@ -22,7 +22,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.activations import ACT2FN
+
+# The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
+# whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
+# against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
+DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
 
 
 def _lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -137,23 +144,27 @@ class DecodeStep:
 
     def __call__(self, tok, pos, keys, values, slot, bias):
         """Logits (B, V) for tokens `tok` (B,) at positions `pos` (B, 1): K/V written at cache `slot`;
-        `bias` (B, 1, 1, L) is 0 where a cache position may be attended and -inf elsewhere."""
-        core, hd, nq, nkv = self.lm.model, self.head_dim, self.n_heads, self.n_kv
-        B, half = tok.shape[0], self.head_dim // 2
+        `bias` (B, 1, 1, L), in the compute dtype, is 0 where a cache position may be attended and -inf
+        elsewhere."""
+        core, half = self.lm.model, self.head_dim // 2
         h = core.embed_tokens(tok)
         cos, sin = (t[:, 0, None, :] for t in core.rotary_emb(h[:, None], pos))  # (B, 1, hd)
         # rotate_half(x) * sin == roll(x, half) * sin with its first half negated
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        with sdpa_kernel(DECODE_ATTENTION):
+            return self._layers(h, cos, sin, keys, values, slot, bias)
+
+    def _layers(self, h, cos, sin, keys, values, slot, bias):
+        core, hd, nq, nkv = self.lm.model, self.head_dim, self.n_heads, self.n_kv
+        B, half = h.shape[0], self.head_dim // 2
         for i, (layer, qkv, o_proj, gate_up, down) in enumerate(self.layers):
             y = qkv(layer.input_layernorm(h))
             qk = y[:, :(nq + nkv) * hd].view(B, nq + nkv, hd)
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             keys[i].index_copy_(2, slot, qk[:, nq:, None])  # (B, nkv, 1, hd) into (B, nkv, L, hd)
             values[i].index_copy_(2, slot, y[:, (nq + nkv) * hd:].view(B, nkv, 1, hd))
-            # query head j reads K/V head j // (nq // nkv), as repeat_kv does, without copying K/V
-            scores = torch.matmul(qk[:, :nq].reshape(B, nkv, nq // nkv, hd), keys[i].transpose(-1, -2))
-            probs = torch.add(bias, scores, alpha=self.scaling).softmax(-1).to(self.dtype)  # fp32 softmax
-            attn = torch.matmul(probs, values[i]).view(B, nq * hd)
+            attn = F.scaled_dot_product_attention(qk[:, :nq, None], keys[i], values[i], attn_mask=bias,
+                                                  scale=self.scaling, enable_gqa=True).reshape(B, nq * hd)
             h = o_proj(attn, residual=h)
             y = gate_up(layer.post_attention_layernorm(h))
             gate, up = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:]

@@ -130,7 +130,7 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
 
     # Decode state, all in fixed tensors so that one captured step can be replayed.
     fused_step = DecodeStep(model, weights)
-    bias = torch.full((B, 1, 1, L), float("-inf"), device=device)  # 0 where a cache slot may be attended
+    bias = torch.full((B, 1, 1, L), float("-inf"), dtype=dtype, device=device)  # 0 where a slot may be attended
     bias[:, 0, 0, :P].masked_fill_(key_ok, 0.0)
     seen = None
     if repetition_penalty != 1.0:

@@ -111,7 +111,7 @@ def test_fused_decode_step_gives_the_models_own_logits(four_bit_lora, weights):
         _prefill(lm, ids[:, :-1], torch.arange(T - 1, device=dev)[None].expand(B, -1), keys, values, causal)
         step = DecodeStep(model, weights)
         logits = step(ids[:, -1], torch.full((B, 1), T - 1, device=dev), keys, values, torch.tensor([T - 1], device=dev),
-                      torch.zeros(B, 1, 1, T, device=dev))
+                      torch.zeros(B, 1, 1, T, dtype=torch.bfloat16, device=dev))
     lora_effect = (ref - no_lora).abs().max()
     assert lora_effect > 0.1
     assert (logits - ref).abs().max() < 0.1 * lora_effect
