@@ -262,7 +262,8 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
     rollout_weights: Literal["nf4", "bf16"] = arg(
         "nf4", "static rollouts: nf4 samples on the 4-bit base as it trains; bf16 on a bf16 copy of the frozen "
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
-        "sampling and training stay one policy without dequantising every weight each token")
+        "sampling and training stay one policy without dequantising every weight each token "
+        "(common/decode_step.py)")
 
     def check(self):
         require(self, "sft_run")

@@ -1,13 +1,14 @@
 """One decode step of a Llama decoder with LoRA in few kernels: what `generation.decode` replays.
 
-A decode step (one new token for each of B sequences) is bound by how many kernels it launches,
-not by arithmetic or by reading the weights (docs/performance.md): peft runs each LoRA linear as
-five kernels, a 4-bit weight adds three to dequantise, and HF's attention a dozen more. Here each
-decoder layer runs its linear layers that read one input (q/k/v, then gate/up) as one matmul over
-their stacked base weights, one matmul over their stacked LoRA A and one addmm that adds every
-LoRA B product with its scaling (a block-diagonal B); the residual adds ride in the o and down
-matmuls, q and k are rotated together, and the attention is SDPA's over the cache with an additive
-mask kept across layers. About 24 kernels a layer instead of about 70.
+A decode step (one new token for each of B sequences) through the model's modules launches about
+70 kernels a layer: peft runs each LoRA linear as five, a 4-bit weight adds three to dequantise,
+and HF's attention a dozen more. Here each decoder layer runs its linear layers that read one input
+(q/k/v, then gate/up) as one matmul over their stacked base weights, one matmul over their stacked
+LoRA A and one addmm that adds every LoRA B product with its scaling (a block-diagonal B). The
+residual adds ride in the o and down matmuls, q and k are rotated together, and the attention is
+SDPA's over the cache with an additive mask kept across layers: about 24 kernels a layer. On an
+H200 the step is then bound by what its kernels do (dequantising, the matmuls, attention), not by
+launching them (docs/performance.md).
 
 The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the compute dtype, as
 training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
