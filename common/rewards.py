@@ -164,17 +164,20 @@ class RewardScorer:
     def score(self, prompts: list[list[dict]], replies: list[str]) -> list[float]:
         was_training = self.model.training
         self.model.eval()
-        scores = []
-        for start in range(0, len(replies), self.batch_size):
-            batch = [self.encode(p, r) for p, r in zip(prompts[start:start + self.batch_size],
-                                                        replies[start:start + self.batch_size])]
-            width = max(map(len, batch))
-            pad = self.tokenizer.pad_token_id
-            input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids in batch])
-            attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in batch])
-            device = next(self.model.parameters()).device
+        encoded = [self.encode(p, r) for p, r in zip(prompts, replies)]
+        # Batches of similar lengths pad less (GRPO's prompts run from 50 to 512 tokens); each score
+        # goes back to its input's place.
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        scores = [0.0] * len(encoded)
+        pad, device = self.tokenizer.pad_token_id, next(self.model.parameters()).device
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start:start + self.batch_size]
+            width = max(len(encoded[i]) for i in rows)
+            input_ids = torch.tensor([encoded[i] + [pad] * (width - len(encoded[i])) for i in rows])
+            attention = torch.tensor([[1] * len(encoded[i]) + [0] * (width - len(encoded[i])) for i in rows])
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
-            scores.extend(logits[:, 0].float().tolist())
+            for i, value in zip(rows, logits[:, 0].float().tolist()):
+                scores[i] = value
         self.model.train(was_training)
         return scores
 

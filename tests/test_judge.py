@@ -293,3 +293,27 @@ def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline)
     again = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
     assert again == pytest.approx([s["chosen_score"] for s in saved], abs=1e-5)
     assert len(set(again)) > 1  # a score per reply, not a constant
+
+
+def test_scorer_batches_by_length_and_returns_scores_in_input_order(tiny_model):
+    """RewardScorer.score sorts its inputs by length before batching (less padding); each score must
+    still be the one that input gets alone, in the input's place."""
+    import torch
+
+    from common.model import SEQ_CLS, load_model, load_tokenizer
+    args = ModelArgs(model_name_or_path=str(tiny_model))
+    tok = load_tokenizer(args)
+    torch.manual_seed(0)
+    model = load_model(args, SEQ_CLS, tokenizer=tok, trainable=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "score" in name:
+                p.normal_(0, 0.5)
+    prompt = [{"role": "user", "content": "CMV: tabs are better than spaces."}]
+    replies = ["No.", "Spaces render the same everywhere, " * 6, "Tabs let each reader pick a width.",
+               "Consistency matters more than the choice " * 3, "Editors convert them anyway, so it hardly matters."]
+    batched = RewardScorer(model, tok, 64, 256, batch_size=2).score([prompt] * 5, replies)
+    alone = [RewardScorer(model, tok, 64, 256, batch_size=1).score([prompt], [r])[0] for r in replies]
+    assert batched == pytest.approx(alone, abs=0.05)  # bf16: a few units in the last place
+    gaps = [abs(a - b) for i, a in enumerate(alone) for b in alone[i + 1:]]
+    assert min(gaps) > 0.2  # distinct scores: a score in another input's place would show
