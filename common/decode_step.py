@@ -128,7 +128,7 @@ class DecodeStep:
         from common.model import unwrap_peft
         self.lm = lm = unwrap_peft(model)
         core = lm.model
-        self.dtype = dtype = core.embed_tokens.weight.dtype
+        dtype = core.embed_tokens.weight.dtype
         names = {id(m): n for n, m in model.named_modules()}
         groups = [[(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)]
                   for a, m in ((layer.self_attn, layer.mlp) for layer in core.layers)]
