@@ -19,6 +19,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -46,11 +47,8 @@ def load(args):
             if "lora_B" in name:
                 p.normal_(0, 0.01)
     if torch.cuda.is_available():  # as GRPO runs it (liger_kernel: true)
-        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
-
-        from common.model import unwrap_peft
-        _apply_liger_kernel_to_instance(unwrap_peft(model), rope=True, rms_norm=True, swiglu=True,
-                                        cross_entropy=False, fused_linear_cross_entropy=False)
+        from common.patches import apply_liger_kernels
+        apply_liger_kernels(SimpleNamespace(model=model))
     return model, tok
 
 

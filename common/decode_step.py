@@ -61,16 +61,13 @@ def _absmax(model, name, linear) -> torch.Tensor:
     return cache[name]
 
 
-def _dequantize(linear, absmax, out=None) -> torch.Tensor:
+def _dequantize_into(out, linear, absmax) -> None:
     qs = linear.weight.quant_state
     args = (linear.weight.data, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype)
-    if out is None:
-        return torch.ops.bitsandbytes.dequantize_4bit(*args)
     if out.is_cuda:
         torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
     else:  # bitsandbytes 0.50 registers the out= form for CUDA only
         out.copy_(torch.ops.bitsandbytes.dequantize_4bit(*args))
-    return out
 
 
 class _Group:
@@ -88,10 +85,11 @@ class _Group:
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
             self.weight = scratch[:rows * self.in_features].view(rows, self.in_features)
         elif all(_is_4bit(b) for b in bases):  # bf16 copies, made once: the base is frozen
+            from bitsandbytes.functional import dequantize_4bit
             cache = model.__dict__.setdefault("_dense_base", {})
-            key = names[0] if len(names) == 1 else ",".join(names)
+            key = ",".join(names)
             if key not in cache:
-                cache[key] = torch.cat([_dequantize(b, _absmax(model, n, b)) for n, b in zip(names, bases)]).to(dtype)
+                cache[key] = torch.cat([dequantize_4bit(b.weight.data, b.weight.quant_state) for b in bases]).to(dtype)
             self.weight = cache[key]
         else:
             self.weight = torch.cat([b.weight for b in bases]).to(dtype)
@@ -113,7 +111,7 @@ class _Group:
         if self.nf4:
             o0 = 0
             for (linear, absmax), size in zip(self.bases, self.sizes):
-                _dequantize(linear, absmax, self.weight[o0:o0 + size])
+                _dequantize_into(self.weight[o0:o0 + size], linear, absmax)
                 o0 += size
         y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
         if self.lora_a is not None:

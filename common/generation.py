@@ -80,7 +80,7 @@ def _prefill(lm, ids, positions, keys, values, mask):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys[i][:, :, :T] = k
         values[i][:, :, :T] = v
-        rep = q.shape[1] // k.shape[1]
+        rep = q.shape[1] // k.shape[1]  # K/V expanded: SDPA's masked kernels refuse GQA (bench/RESULTS.md)
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
                                            attn_mask=mask, scale=attn.scaling)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))

@@ -54,7 +54,6 @@ def test_trainer_hooks_of_token_budget_batches_still_exist():
 def _rope_inputs(B=3, H=4, KV=2, T=5, D=8):
     """q, k as Llama's attention makes them (a transposed view of the projections' output) and
     cos/sin for per-row positions (left padding shifts them)."""
-    import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     torch.manual_seed(0)
@@ -68,7 +67,6 @@ def _rope_inputs(B=3, H=4, KV=2, T=5, D=8):
 def test_batch_folded_rope_equals_the_batched_one_values_and_gradients():
     """apply_liger_kernels folds the batch into one sequence so that Liger's kernel, which compiles
     per batch size, compiles once; the rotation (and its gradient) is that of the batched call."""
-    import torch
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from common.patches import batch_folded_rope
