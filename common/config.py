@@ -177,6 +177,18 @@ class TokenBudgetArgs:
 
 
 @dataclass
+class SharedPromptArgs:
+    """Replies to one prompt trained as branches of one sequence, the prompt computed once."""
+    shared_prompt: bool = arg(True, "dpo: each pair as one sequence, prompt + chosen + rejected; grpo: each premise "
+                              "with its replies as one sequence in the update (common/shared_prompt.py). The prompt "
+                              "is computed once; same log-probs and loss as TRL's one row per reply")
+    shared_prompt_attention: Literal["flex_attention", "sdpa"] = arg(
+        "flex_attention", "shared_prompt: the attention training runs on a GPU. flex_attention skips the "
+        "masked blocks (bench/RESULTS.md: 1.89x TRL's tokens/s at 7,168 + 2 x 1,024, sdpa's dense mask 1.21x); "
+        "the CPU always runs sdpa (FlexAttention has no backward there)")
+
+
+@dataclass
 class PairsInputArgs(TokenBudgetArgs):
     """The pairs a training stage reads."""
     pairs_run: str | None = arg(None, "a finished Pairs run (required)")
@@ -224,7 +236,9 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     audit_extra_splits: list[Literal["train", "dev", "test"]] = arg(
         help="other splits judged besides audit_split in judge_audit.json", factory=lambda: ["test"])
     padding_free: bool = arg(False, "train on each micro-batch's replies as one row without padding (FlexAttention's "
-                             "document mask on a GPU; common/padding_free.py); pairwise 4-bit judges only")
+                             "block mask on a GPU; common/padding_free.py); pairwise 4-bit judges only")
+    shared_prompt: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, computed once "
+                              "(common/padding_free.py); same rewards and loss as two rows")
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
@@ -238,7 +252,7 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
 
 
 @dataclass
-class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
+class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, SharedPromptArgs):
     """Stage 04: GRPO against the stage-03 judge."""
     STAGE: ClassVar[str] = "GRPO"
 
@@ -282,7 +296,7 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs):
 
 
 @dataclass
-class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs):
+class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, SharedPromptArgs):
     """Stage 04 (preference): DPO or ORPO from the SFT adapter, on either task."""
     STAGE: ClassVar[str] = "DPO"  # ORPO runs are named ..._ORPO_RunN
 
@@ -296,12 +310,6 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs):
         "the SFT adapter (made by this stage, saved in rejected.jsonl)")
     max_new_tokens: int = arg(1024, "review task: tokens of each generated (rejected) review", ge=1)
     generation_batch_size: int = arg(8, "review task: papers generated at once", ge=1)
-    shared_prompt: bool = arg(True, "dpo: each pair as one sequence, prompt + chosen + rejected, the prompt "
-                              "computed once (common/shared_prompt.py); same loss as TRL's two sequences")
-    shared_prompt_attention: Literal["flex_attention", "sdpa"] = arg(
-        "flex_attention", "dpo, shared_prompt: the attention training runs on a GPU. flex_attention skips the "
-        "masked blocks (bench/RESULTS.md: 1.89x TRL's tokens/s at 7,168 + 2 x 1,024, sdpa's dense mask 1.21x); "
-        "the CPU always runs sdpa (FlexAttention has no backward there)")
     precompute_ref_log_probs: bool = arg(False, "dpo: the reference log-probs in one pass over the pairs "
                                          "before training (TRL's option) instead of in every step")
 

@@ -1,18 +1,21 @@
-"""Padding-free reward-model training (`padding_free: true` in stage 03).
+"""Padding-free reward models: training (`padding_free: true` in stage 03) and the scorer's forward.
 
 TRL's reward collator pads the chosen and the rejected replies of a micro-batch to its longest one.
 On ChangeMyView's lengths a pair's two replies differ, so about 11% of the tokens the model runs are
-padding even in length-sorted token-budget micro-batches (bench/RESULTS.md). Here a training
-micro-batch runs as one row holding its sequences end to end, with no padding:
-- positions restart at every sequence, so each one is encoded as it would be alone;
-- attention is causal inside a sequence and blind across them: FlexAttention's document mask on a GPU
-  (its kernel skips the blocks the mask rules out), the same rule as a dense SDPA mask on the CPU
-  (FlexAttention has no backward there);
+padding even in length-sorted token-budget micro-batches (bench/RESULTS.md). Here a micro-batch runs
+as one row holding its sequences end to end, with no padding (`packed_rewards`):
+- sequences that share a prefix (a pair's two replies to one prompt; GRPO's replies to one premise)
+  are a group: the prefix is computed once, each sequence a branch that continues it, its positions
+  counting on from the prefix (`shared_prompt.pack`). Without sharing each sequence is its own group;
+- attention is causal inside a group, blind across groups, and a branch sees its prefix and itself,
+  never its sibling: FlexAttention's BlockMask on a GPU (its kernel skips the blocks the rule rules
+  out), the same rule as a dense SDPA mask on the CPU (FlexAttention has no backward there);
 - the one-number head reads each sequence where the padded model's head reads it: its last token that
   is not the pad token.
-TRL's collator, loss and metrics are untouched: the wrapped forward takes TRL's padded batch and
-returns one reward per row of it. Evaluation and scoring keep the padded forward. With a token budget
-the micro-batches are filled to the budget in real tokens, not padded ones (token_budget.py).
+Every hidden state a head reads is the one of the sequence run alone, so rewards, loss and gradients
+are the padded model's (tests/test_padding_free.py). TRL's collator, loss and metrics are untouched: the
+wrapped forward takes TRL's padded batch and returns one reward per row of it. With a token budget the
+micro-batches are filled to the budget in real tokens, not padded ones (token_budget.py).
 """
 from __future__ import annotations
 
@@ -20,19 +23,40 @@ import torch
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from common.model import unwrap_peft
-from common.shared_prompt import rule_mask
+from common.shared_prompt import common_prefix, pack
 
 
-def document_mask(doc: torch.Tensor, attention: str):
-    """Causal attention within each sequence (`doc[i]`: the sequence of packed token i), none across."""
-    def rule(b, h, q, kv):
-        return (kv <= q) & (doc[q] == doc[kv])
-    return rule_mask(rule, None, doc.shape[0], doc.device, attention)
+def packed_rewards(classifier, groups: list[list[torch.Tensor]], attention: str) -> torch.Tensor:
+    """The head's value (sequences, 1) for each sequence of `groups` (1-d CPU tensors, unpadded), in
+    order, run as one row; the sequences of a group share their common prefix. `classifier`: a causal
+    decoder with a score head (LlamaForSequenceClassification), running `attention`."""
+    device = classifier.score.weight.device
+    pad = classifier.config.pad_token_id
+    layout = []
+    for rows in groups:
+        shared = common_prefix(rows) if len(rows) > 1 else 0
+        layout.append((rows[0][:shared], [r[shared:] for r in rows]))
+    packed = pack(layout, device)
+    # Where each head reads, as LlamaForSequenceClassification picks it (the last token that is not the
+    # pad token; the first if all are), as an index into the row.
+    heads = []
+    for g, rows in enumerate(groups):
+        shared = len(layout[g][0])
+        for row in rows:
+            real = (row != pad).nonzero()
+            t = int(real[-1]) if len(real) else 0
+            start = int(packed.starts[len(heads)])
+            heads.append(int(packed.prefix_starts[g]) + t if t < shared else start + t - shared)
+    hidden = classifier.model(input_ids=packed.ids[None], position_ids=packed.positions[None], use_cache=False,
+                              attention_mask=packed.mask(attention)).last_hidden_state
+    return classifier.score(hidden[0, torch.tensor(heads, device=device)])
 
 
-def unpad_rows(model) -> str:
+def unpad_rows(model, share_prompt: bool = False) -> str:
     """Wrap the reward model's (PeftModel's) forward: a training call with a right-padded batch runs
-    padding-free. Returns the attention the packed rows run: flex_attention on a GPU, else sdpa."""
+    padding-free; with `share_prompt` each pair's chosen and rejected rows (TRL puts the chosen rows
+    first) share their common prefix, the prompt. Returns the attention the packed rows run:
+    flex_attention on a GPU, else sdpa."""
     attention = "flex_attention" if torch.cuda.is_available() else "sdpa"
     classifier = unwrap_peft(model)
     # For good, not per call: gradient checkpointing runs each layer's forward again in backward, after
@@ -46,25 +70,19 @@ def unpad_rows(model) -> str:
         if not model.training or attention_mask is None or attention_mask.dim() != 2:
             if padded_attention == attention or model.training:
                 return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            classifier.set_attn_implementation(padded_attention)  # scoring: no backward, no recompute
+            classifier.set_attn_implementation(padded_attention)  # padded eval: no backward, no recompute
             try:
                 return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             finally:
                 classifier.set_attn_implementation(attention)
-        keep = attention_mask.bool()
-        lengths = keep.sum(1)
-        ids = input_ids[keep]  # row after row: the sequences end to end
-        doc = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
-        starts = lengths.cumsum(0) - lengths
-        positions = torch.arange(len(ids), device=ids.device) - starts[doc]
-        # the head's token, as LlamaForSequenceClassification picks it: the last one that is not the pad
-        index = torch.arange(len(ids), device=ids.device)
-        last = torch.full_like(lengths, -1).scatter_reduce(
-            0, doc, torch.where(ids != classifier.config.pad_token_id, index, -1), "amax")
-        last = torch.where(last < 0, starts, last)  # a sequence of pad tokens only: its first, as HF does
-        hidden = classifier.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                  attention_mask=document_mask(doc, attention)).last_hidden_state
-        return SequenceClassifierOutputWithPast(logits=classifier.score(hidden[0, last]))
+        lengths = attention_mask.sum(1).tolist()
+        rows = [row[:n] for row, n in zip(input_ids.cpu(), lengths)]  # right-padded: the real tokens lead
+        n = len(rows) // 2
+        pairs = share_prompt and len(rows) == 2 * n
+        groups = [[i, n + i] for i in range(n)] if pairs else [[i] for i in range(len(rows))]
+        logits = packed_rewards(classifier, [[rows[i] for i in g] for g in groups], attention)
+        order = torch.tensor([i for g in groups for i in g], device=logits.device)
+        return SequenceClassifierOutputWithPast(logits=logits[torch.argsort(order)])  # TRL's row order
 
     model.forward = padding_free_forward
     model.padding_free = True

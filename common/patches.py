@@ -8,6 +8,7 @@ forward or a trainer's data behind the config's back.
 | --- | --- | --- |
 | unmask_right_padding | causal models (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
 | padding_free | the reward model's padding_free | a micro-batch's sequences as one row, no padding (common/padding_free.py) |
+| shared_prompt | reward: padding_free and shared_prompt | a pair's two replies share their prompt in that row |
 | no_cudnn_attention | always, on a GPU | SDPA's flash kernel rather than cuDNN's, which plans anew for every sequence length |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (common/token_budget.py) |
@@ -16,6 +17,7 @@ forward or a trainer's data behind the config's back.
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE (the RoPE through `batch_folded_rope`) |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
 | shared_prompt | DPO's shared_prompt | a pair as one sequence (common/shared_prompt.py; installed before TRL's DPOTrainer is built) |
+| shared_prompt | GRPO's shared_prompt | a premise and its replies as one sequence in the update (`shared_prompt.share_grpo_prompts`) |
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ import logging
 
 import torch
 
-from common import padding_free, token_budget
-from common.config import TrainArgs
+from common import padding_free, shared_prompt, token_budget
+from common.config import GRPOStageConfig, TrainArgs
 from common.model import unwrap_peft
 
 log = logging.getLogger("pipeline")
@@ -33,12 +35,16 @@ log = logging.getLogger("pipeline")
 def apply(trainer, config: TrainArgs) -> list[str]:
     """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
     applied = []
+    share = getattr(config, "shared_prompt", False)
     if getattr(config, "padding_free", False):
-        padding_free.unpad_rows(trainer.model)
-        applied.append("padding_free")
+        padding_free.unpad_rows(trainer.model, share_prompt=share)
+        applied += ["padding_free"] + (["shared_prompt"] if share else [])
     elif unmask_right_padding(trainer.model):
         applied.append("unmask_right_padding")
-    if getattr(trainer.model, "shares_prompt", False):
+    if getattr(trainer.model, "shares_prompt", False):  # DPO: installed before its trainer was built
+        applied.append("shared_prompt")
+    if share and isinstance(config, GRPOStageConfig):
+        shared_prompt.share_grpo_prompts(trainer, config.shared_prompt_attention)
         applied.append("shared_prompt")
     if config.group_by_length and add_length_column(trainer):
         applied.append("add_length_column")

@@ -162,11 +162,43 @@ class RewardScorer:
 
     @torch.no_grad()
     def score(self, prompts: list[list[dict]], replies: list[str]) -> list[float]:
+        """One score per (prompt, reply), in input order. A causal judge runs padding-free, the replies
+        to one prompt sharing it (GRPO scores 4 replies to each premise; common/padding_free.py); the
+        encoder judge runs right-padded batches of similar lengths."""
         was_training = self.model.training
         self.model.eval()
         encoded = [self.encode(p, r) for p, r in zip(prompts, replies)]
-        # Batches of similar lengths pad less (GRPO's prompts run from 50 to 512 tokens); each score
-        # goes back to its input's place.
+        scores = self._packed(prompts, encoded) if self.kind == SEQ_CLS else self._padded(encoded)
+        self.model.train(was_training)
+        return scores
+
+    def _packed(self, prompts, encoded) -> list[float]:
+        from common.padding_free import packed_rewards
+        classifier = unwrap_peft(self.model)
+        attention = "flex_attention" if torch.cuda.is_available() else "sdpa"
+        if classifier.config._attn_implementation != attention:  # for good: a frozen or trained judge
+            classifier.set_attn_implementation(attention)
+        groups: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(json.dumps(prompt), []).append(i)
+        sequences = [torch.tensor(e) for e in encoded]
+        scores = [0.0] * len(encoded)
+        budget = self.batch_size * self.max_length  # tokens a row holds, as the padded batches did
+        row, tokens = [], 0
+        for members in [*groups.values(), None]:
+            size = sum(len(encoded[i]) for i in members) if members else 0
+            if row and (members is None or tokens + size > budget):
+                values = packed_rewards(classifier, [[sequences[i] for i in g] for g in row], attention)
+                for i, value in zip((i for g in row for i in g), values[:, 0].float().tolist()):
+                    scores[i] = value
+                row, tokens = [], 0
+            if members:
+                row.append(members)
+                tokens += size
+        return scores
+
+    def _padded(self, encoded) -> list[float]:
+        # Batches of similar lengths pad less; each score goes back to its input's place.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         scores = [0.0] * len(encoded)
         pad, device = self.tokenizer.pad_token_id, next(self.model.parameters()).device
@@ -178,7 +210,4 @@ class RewardScorer:
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
             for i, value in zip(rows, logits[:, 0].float().tolist()):
                 scores[i] = value
-        self.model.train(was_training)
         return scores
-
-

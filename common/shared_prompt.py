@@ -146,3 +146,158 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
     model.forward = shared_forward
     model.shares_prompt = True
     return attention
+
+
+# Several replies to one prompt, packed into one row ----------------------------------------------
+# GRPO samples 4 replies to each premise, and a reward pair is two replies to one: their common
+# prefix is computed once, each reply a branch that continues it. The rule is a generalisation of the
+# DPO layout above to any number of branches and several groups end to end in one row (no padding).
+
+@dataclass
+class Packed:
+    """Groups of (prefix, branches) end to end in one row."""
+    ids: torch.Tensor            # (N,)
+    positions: torch.Tensor      # (N,): a branch's positions continue from its group's prefix
+    doc: torch.Tensor            # (N,): the group of each token
+    branch: torch.Tensor         # (N,): 0 in a prefix, j in its group's j-th branch
+    prefix_starts: torch.Tensor  # (groups,), on the CPU: where each group's prefix starts
+    starts: torch.Tensor         # (branches,), on the CPU: where each branch starts, groups in order
+
+    def mask(self, attention: str):
+        """The attention of the row: causal, within its group, and a branch sees its prefix and itself only."""
+        doc, branch = self.doc, self.branch
+
+        def rule(b, h, q, kv):
+            return (kv <= q) & (doc[q] == doc[kv]) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
+        return rule_mask(rule, None, len(self.ids), self.ids.device, attention)
+
+
+def pack(groups: list[tuple[torch.Tensor, list[torch.Tensor]]], device) -> Packed:
+    """One row on `device` from groups of (prefix ids, [branch ids, ...]), 1-d CPU tensors (built on the
+    CPU: one copy to the device, no synchronisation per group)."""
+    parts, prefix_starts, starts, n = [], [], [], 0
+    for g, (prefix, branches) in enumerate(groups):
+        prefix_starts.append(n)
+        parts.append((prefix, torch.arange(len(prefix)), g, 0))
+        n += len(prefix)
+        for j, tokens in enumerate(branches, 1):
+            starts.append(n)
+            parts.append((tokens, torch.arange(len(prefix), len(prefix) + len(tokens)), g, j))
+            n += len(tokens)
+
+    def column(values):
+        return torch.cat(values).to(device=device, dtype=torch.long)
+    return Packed(ids=column([p[0] for p in parts]), positions=column([p[1] for p in parts]),
+                  doc=column([torch.full((len(p[0]),), p[2]) for p in parts]),
+                  branch=column([torch.full((len(p[0]),), p[3]) for p in parts]),
+                  prefix_starts=torch.tensor(prefix_starts), starts=torch.tensor(starts))
+
+
+def common_prefix(rows: list[torch.Tensor]) -> int:
+    """Length of the prefix all `rows` share, at most one less than the shortest (every branch keeps a token)."""
+    shortest = min(len(r) for r in rows)
+    same = torch.stack([r[:shortest] == rows[0][:shortest] for r in rows[1:]]).all(0) if len(rows) > 1 \
+        else torch.ones(shortest, dtype=torch.bool)
+    differs = (~same).nonzero()
+    return min(int(differs[0]) if len(differs) else shortest, shortest - 1)
+
+
+def share_grpo_prompts(trainer, attention: str = "flex_attention") -> str:
+    """GRPO's update with each premise computed once: the replies of a micro-batch to one premise run
+    as branches of one row, `prompt[:-1] | prompt[-1] reply_1 | prompt[-1] reply_2 | ...` (each branch
+    starts with its own copy of the prompt's last token, which predicts the reply's first token, as in
+    the DPO layout above). At 4 replies of 256 tokens to a 400-token premise that is about half the
+    tokens of TRL's one row per reply. TRL shuffles a generation batch before cutting it into
+    micro-batches; here each premise's replies are then put back together (the premises stay shuffled),
+    which leaves TRL's loss unchanged: it sums over the whole generation batch (DAPO, its default,
+    divides by all its tokens). The log-probs and entropies are handed back in TRL's (rows, reply
+    tokens) layout, so TRL's loss and metrics are its own (tests/test_shared_prompt.py). Returns the
+    attention the model runs: `attention` on a GPU, sdpa on the CPU."""
+    from trl.trainer.utils import split_tensor_dict
+
+    from common.model import unwrap_peft
+    attention = attention if torch.cuda.is_available() else "sdpa"
+    inner = unwrap_peft(trainer.model)
+    if inner.config._attn_implementation != attention:
+        inner.set_attn_implementation(attention)
+    original_logps, original_prepare = trainer._get_per_token_logps_and_entropies, trainer._prepare_inputs
+
+    def prepare_inputs(generation_batch):
+        buffered = trainer._buffered_inputs
+        inputs = original_prepare(generation_batch)
+        if trainer.model.training and trainer._buffered_inputs is not buffered:  # a new generation batch
+            batches = trainer._buffered_inputs
+            trainer._buffered_inputs = split_tensor_dict(_replies_together(batches), len(batches))
+            inputs = trainer._buffered_inputs[trainer._step % trainer.args.steps_per_generation]
+        return inputs
+
+    def per_token_logps(model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+                        compute_aux_loss=False, **images):
+        if compute_aux_loss or any(v is not None for v in images.values()):
+            return original_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                                  compute_aux_loss, **images)
+        batch_size = batch_size or len(input_ids)
+        parts = [_branch_logps(trainer, model, input_ids[s:s + batch_size], attention_mask[s:s + batch_size],
+                               logits_to_keep, attention) for s in range(0, len(input_ids), batch_size)]
+        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if compute_entropy else None,
+                None)
+
+    trainer._prepare_inputs, trainer._get_per_token_logps_and_entropies = prepare_inputs, per_token_logps
+    return attention
+
+
+def _replies_together(batches: list[dict]) -> dict:
+    """A generation batch cut into micro-batches, whole again with each premise's replies next to each
+    other, the premises in the order they first appear."""
+    merged = {}
+    for key, first in batches[0].items():
+        values = [b[key] for b in batches]
+        if isinstance(first, torch.Tensor) and first.ndim > 0:
+            merged[key] = torch.cat(values)
+        elif isinstance(first, list):
+            merged[key] = [v for value in values for v in value]
+        else:
+            merged[key] = first
+    prompts = merged["prompt_ids"].masked_fill(merged["prompt_mask"] == 0, -1)
+    _, group = torch.unique(prompts, dim=0, return_inverse=True)
+    rows = torch.arange(len(group), device=group.device)
+    first_seen = torch.full_like(group, len(group)).scatter_reduce(0, group, rows, "amin")
+    order = torch.argsort(first_seen[group] * len(group) + rows)
+    listed = order.tolist()
+    return {key: value[order] if isinstance(value, torch.Tensor) and value.ndim > 0
+            else [value[i] for i in listed] if isinstance(value, list) else value
+            for key, value in merged.items()}
+
+
+def _branch_logps(trainer, model, input_ids, attention_mask, n_reply, attention):
+    """TRL's per-token (log-prob, entropy) of the last `n_reply` columns of its rows (left-padded prompt,
+    right-padded reply), computed with the rows of one prompt as branches of one packed row."""
+    ids, keep = input_ids.cpu(), attention_mask.bool().cpu()
+    prompt_len = ids.shape[1] - n_reply
+    prompts = [row[:prompt_len][k[:prompt_len]] for row, k in zip(ids, keep)]
+    replies = [row[prompt_len:][k[prompt_len:]] for row, k in zip(ids, keep)]  # up to its end token
+    groups: dict[tuple, list[int]] = {}
+    for r, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt.tolist()), []).append(r)
+    layout, order = [], []
+    for rows in groups.values():
+        prompt = prompts[rows[0]]
+        layout.append((prompt[:-1], [torch.cat([prompt[-1:], replies[r]]) for r in rows]))
+        order += rows
+    packed = pack(layout, input_ids.device)
+    labels = packed.ids.masked_fill(packed.branch == 0, -100)
+    labels[packed.starts.to(labels.device)] = -100  # a branch's copy of the prompt's last token: not a reply token
+    with trainer.accelerator.autocast():
+        out = model(input_ids=packed.ids[None], position_ids=packed.positions[None], labels=labels[None],
+                    attention_mask=packed.mask(attention), fused_lm_head=True)
+    # Row r's k-th reply token sits at start + 1 + k, and its prediction at start + k of the shifted output.
+    index = torch.zeros(len(ids), n_reply, dtype=torch.long)
+    valid = torch.zeros(len(ids), n_reply, dtype=torch.bool)
+    for start, r in zip(packed.starts.tolist(), order):
+        n = len(replies[r])
+        index[r, :n] = torch.arange(start, start + n)
+        valid[r, :n] = True
+    index, valid = index.to(input_ids.device), valid.to(input_ids.device)
+    zero = torch.zeros((), device=input_ids.device)
+    return (torch.where(valid, out.log_probs[0][index], zero),
+            torch.where(valid, out.entropy[0][index], zero) if out.entropy is not None else None)

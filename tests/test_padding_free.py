@@ -12,48 +12,63 @@ from conftest import TINY
 from test_token_budget import BUDGET, _lora_model, _relative_error, build, one_step
 
 from common.config import ConfigError, ModelArgs, RewardStageConfig
-from common.padding_free import document_mask, unpad_rows
+from common.padding_free import unpad_rows
+from common.shared_prompt import common_prefix, pack
 from common.patches import unmask_right_padding
 
 
-def test_document_mask_is_causal_within_each_sequence_only():
-    doc = torch.tensor([0, 0, 0, 1, 1, 2])
-    mask = document_mask(doc, "sdpa")[0, 0]
-    q, kv = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
-    assert torch.equal(mask, (kv <= q) & (doc[q] == doc[kv]))
-    assert mask[3, 3] and not mask[3, 2] and not mask[5, 4]  # a sequence never sees the one before it
+def test_packed_row_mask_keeps_groups_and_branches_apart():
+    # group 0: prefix [5, 6], branches [7, 8] and [9]; group 1: no prefix, one branch [4, 4]
+    packed = pack([(torch.tensor([5, 6]), [torch.tensor([7, 8]), torch.tensor([9])]),
+                   (torch.tensor([], dtype=torch.long), [torch.tensor([4, 4])])], "cpu")
+    assert packed.ids.tolist() == [5, 6, 7, 8, 9, 4, 4]
+    assert packed.positions.tolist() == [0, 1, 2, 3, 2, 0, 1]  # a branch continues its prefix
+    assert packed.starts.tolist() == [2, 4, 5] and packed.prefix_starts.tolist() == [0, 5]
+    mask = packed.mask("sdpa")[0, 0]
+    q, kv = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
+    doc, branch = packed.doc, packed.branch
+    assert torch.equal(mask, (kv <= q) & (doc[q] == doc[kv]) & ((branch[kv] == 0) | (branch[kv] == branch[q])))
+    assert mask[4, 1] and mask[4, 4] and not mask[4, 3] and not mask[4, 2]  # the second branch: prefix and itself
+    assert mask[5, 5] and not mask[5, 4]  # a group never sees the one before it
+    assert common_prefix([torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4, 5])]) == 2
+    assert common_prefix([torch.tensor([1, 2]), torch.tensor([1, 2, 4])]) == 1  # every branch keeps a token
 
 
-def test_packed_forward_gives_the_padded_rewards():
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_packed_forward_gives_the_padded_rewards(share_prompt):
     model = _lora_model("reward", ModelArgs(model_name_or_path=str(TINY), lora_dropout=0.0))
     pad = model.config.pad_token_id
-    lengths = [7, 3, 11, 5]
+    lengths = [7, 3, 11, 5]  # pairs (0, 2) and (1, 3): TRL's chosen rows, then its rejected rows
     ids = torch.full((4, 11), pad)
     mask = torch.zeros(4, 11, dtype=torch.long)
     g = torch.Generator().manual_seed(0)
     for row, n in enumerate(lengths):
         ids[row, :n] = torch.randint(3, 500, (n,), generator=g)
         mask[row, :n] = 1
+    ids[2, :4] = ids[0, :4]  # pair 0 shares a 4-token prompt
     ids[1, 2] = pad  # a sequence ending in the pad token: the head reads the token before it, as HF's does
+    ids[3, :2] = ids[1, :2]  # ... and pair 1 shares the tokens before it
     model.train()
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask).logits
-        unpad_rows(model)
+        unpad_rows(model, share_prompt=share_prompt)
         packed = model(input_ids=ids, attention_mask=mask).logits
     assert packed.shape == padded.shape == (4, 1)
     assert torch.allclose(packed, padded, atol=1e-5), (packed, padded)
+    assert len(set(padded[:, 0].tolist())) == 4  # four different rewards: a mix-up of rows would show
     model.eval()  # scoring keeps the padded forward
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, padded, atol=1e-5)
 
 
-@pytest.mark.parametrize("budget", [BUDGET["reward"], 120])
-def test_padding_free_step_equals_one_padded_batch(tmp_path, budget):
+@pytest.mark.parametrize("budget,share", [(BUDGET["reward"], True), (120, True), (120, False)])
+def test_padding_free_step_equals_one_padded_batch(tmp_path, budget, share):
     plain = build("reward", tmp_path / "plain")
     loss, grads, sizes = one_step(plain)
     assert sizes == [16] and "unmask_right_padding" in plain.applied
-    packed = build("reward", tmp_path / "packed", max_tokens_per_batch=budget, padding_free=True)
+    packed = build("reward", tmp_path / "packed", max_tokens_per_batch=budget, padding_free=True, shared_prompt=share)
     assert packed.applied[0] == "padding_free" and "unmask_right_padding" not in packed.applied
+    assert ("shared_prompt" in packed.applied) == share
     packed_loss, packed_grads, packed_sizes = one_step(packed)
     assert len(packed_sizes) > 1 and sum(packed_sizes) == 16  # several micro-batches, every pair once
     assert abs(packed_loss - loss) < 1e-5 * abs(loss)

@@ -1,0 +1,163 @@
+"""common.nf4_matmul against bitsandbytes' own dequantisation: x @ dequantize_4bit(W).T.
+
+With CUDA the kernel is compiled and every test runs on the GPU. Without, it runs under Triton's CPU
+interpreter, which triton must see (TRITON_INTERPRET=1) before it is first imported, and bitsandbytes
+imports it as soon as it is installed, i.e. while pytest collects other test modules: so
+`test_cpu_interpreter` runs this file again in a subprocess with the variable set, and the other tests
+skip in the parent. Run them directly with `TRITON_INTERPRET=1 pytest tests/test_nf4_matmul.py`.
+The interpreter's tl.dot mishandles bf16 (it multiplies the raw bits), so on CPU the kernel runs in fp32
+and fp16; bf16 is checked by the *_gpu tests. All skip where triton is not installed (CI installs
+requirements.txt only), but for the import check.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
+# fp32 x: tl.dot rounds its inputs to tf32 on the GPU
+TOL = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def nf4():
+    pytest.importorskip("triton", reason="triton not installed (CI: requirements.txt has none)")
+    if DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("without CUDA these run under the interpreter, in test_cpu_interpreter's subprocess")
+    import common.nf4_matmul as nf4
+    assert nf4.available()
+    return nf4
+
+
+def test_cpu_interpreter():
+    pytest.importorskip("triton", reason="triton not installed (CI: requirements.txt has none)")
+    if CUDA or INTERPRET:
+        pytest.skip("the tests run in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], cwd=REPO,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]
+
+
+def quantized(n, k, blocksize=64, device=DEVICE, seed=0):
+    """(packed, absmax fp32, quant_state) of a random (n, k) weight, absmax decoded as the decode step does."""
+    import bitsandbytes.functional as F
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(device)
+    packed, qs = F.quantize_4bit(w, blocksize=blocksize, quant_type="nf4", compress_statistics=True)
+    absmax = (F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset) if qs.nested else qs.absmax.float()
+    return packed, absmax, qs
+
+
+def reference(x, packed, qs):
+    """x @ W^T in fp32, W as bitsandbytes dequantises it, rounded to x's dtype as the kernel rounds it."""
+    import bitsandbytes.functional as F
+    w = F.dequantize_4bit(packed, qs).float().to(x.dtype).float()
+    return x.float() @ w.T
+
+
+def rel_err(y, ref):
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def run(nf4, x, packed, absmax, qs, n, k, **kw):
+    return nf4.nf4_linear(x, packed, absmax, qs.code, n, k, blocksize=qs.blocksize, **kw)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("m,n,k", [(m, n, k) for m in (1, 5, 64) for n in (64, 96) for k in (128, 256)])
+def test_matches_bitsandbytes(nf4, m, n, k, split_k):
+    packed, absmax, qs = quantized(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    y = run(nf4, x, packed, absmax, qs, n, k, split_k=split_k)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("m,blocksize,split_k", [(5, 64, None), (64, 64, 4), (3, 128, 2), (130, 64, 2)])
+def test_fp16_blocksize_and_m_tiles(nf4, m, blocksize, split_k):
+    """fp16 like the GPU's bf16 path; blocksize 128; M past 128 (a second M tile)."""
+    n, k = 96, 512
+    packed, absmax, qs = quantized(n, k, blocksize=blocksize)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(DEVICE).half()
+    y = run(nf4, x, packed, absmax, qs, n, k, split_k=split_k)
+    assert y.dtype == torch.float16
+    assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_out_column_slice_and_residual(nf4, split_k):
+    """q, k, v written side by side into one buffer: out is a column slice (row stride 3N), and so is residual."""
+    m, n, k = 5, 64, 256
+    packed, absmax, qs = quantized(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    buf = torch.full((m, 3 * n), 7.0, device=DEVICE)
+    res_buf = torch.randn(m, 2 * n, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    residual = res_buf[:, n:]
+    y = run(nf4, x, packed, absmax, qs, n, k, out=buf[:, n:2 * n], residual=residual, split_k=split_k)
+    assert y.data_ptr() == buf[:, n:].data_ptr()
+    ref = reference(x, packed, qs)
+    assert rel_err(buf[:, n:2 * n] - residual, ref) < TOL[torch.float32]
+    assert (buf[:, :n] == 7).all() and (buf[:, 2 * n:] == 7).all()
+    # without residual, into the same slice
+    run(nf4, x, packed, absmax, qs, n, k, out=buf[:, n:2 * n], split_k=split_k)
+    assert rel_err(buf[:, n:2 * n], ref) < TOL[torch.float32]
+
+
+def test_comparison_is_sensitive(nf4):
+    """One block's absmax doubled, or the two nibbles of each byte swapped: far outside the tolerance."""
+    m, n, k = 5, 96, 256
+    packed, absmax, qs = quantized(n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ref = reference(x, packed, qs)
+    bad = absmax.clone()
+    bad[37] *= 2
+    assert rel_err(run(nf4, x, packed, bad, qs, n, k), ref) > 1e-2
+    swapped = (packed << 4) | (packed >> 4)
+    assert rel_err(run(nf4, x, swapped, absmax, qs, n, k), ref) > 1e-1
+
+
+def test_importable_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; sys.path.insert(0, '.');"
+            "import common.nf4_matmul as m; assert not m.available()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 14336)])
+def test_llama_shapes_bf16_gpu(nf4, n, k):
+    packed, absmax, qs = quantized(n, k, device="cuda")
+    x = torch.randn(64, k, device="cuda").bfloat16()
+    y = run(nf4, x, packed, absmax, qs, n, k)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, reference(x, packed, qs)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(1024, 4096), (14336, 4096)])
+def test_cuda_graph_with_slice_and_residual_gpu(nf4, n, k):
+    """Captured after one eager call (split-K for 1024 rows, none for 14336), replayed on new inputs."""
+    packed, absmax, qs = quantized(n, k, device="cuda")
+    x = torch.randn(64, k, device="cuda").bfloat16()
+    residual = torch.randn(64, n, device="cuda").bfloat16()
+    buf = torch.zeros(64, 2 * n, device="cuda", dtype=torch.bfloat16)
+    out = buf[:, n:]
+    run(nf4, x, packed, absmax, qs, n, k, out=out, residual=residual)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(nf4, x, packed, absmax, qs, n, k, out=out, residual=residual)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(x, packed, qs)
+    assert rel_err(out.float() - residual.float(), ref) < 2e-2  # out rounded to bf16 after the residual add
+    assert not buf[:, :n].any()
