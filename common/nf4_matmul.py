@@ -73,7 +73,7 @@ if triton is not None:
             a = tl.load(a_ptrs + kb, mask=n_mask, other=0.0)[:, None]
             hi = tl.load(code_ptr + (p >> 4)) * a  # even k
             lo = tl.load(code_ptr + (p & 15)) * a  # odd k
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
             xt = tl.load(xt_ptrs + kb * BLOCK_K, mask=m_mask[None, :], other=0.0)
             acc = tl.dot(w, xt, acc)
         mask = n_mask[:, None] & m_mask[None, :]

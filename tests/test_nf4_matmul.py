@@ -82,9 +82,9 @@ def test_matches_bitsandbytes(nf4, m, n, k, split_k):
     assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("m,blocksize,split_k", [(5, 64, None), (64, 64, 4), (3, 128, 2), (130, 64, 2)])
+@pytest.mark.parametrize("m,blocksize,split_k", [(5, 64, None), (5, 64, 3), (64, 64, 4), (3, 128, 2), (130, 64, 2)])
 def test_fp16_blocksize_and_m_tiles(nf4, m, blocksize, split_k):
-    """fp16 like the GPU's bf16 path; blocksize 128; M past 128 (a second M tile)."""
+    """fp16 like the GPU's bf16 path; an uneven split (8 blocks in 3); blocksize 128; M past 128 (two M tiles)."""
     n, k = 96, 512
     packed, absmax, qs = quantized(n, k, blocksize=blocksize)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(DEVICE).half()
