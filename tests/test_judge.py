@@ -295,9 +295,10 @@ def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline)
     assert len(set(again)) > 1  # a score per reply, not a constant
 
 
-def test_scorer_batches_by_length_and_returns_scores_in_input_order(tiny_model):
-    """RewardScorer.score sorts its inputs by length before batching (less padding); each score must
-    still be the one that input gets alone, in the input's place."""
+def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
+    """RewardScorer.score packs the replies to one prompt as branches of one row (padding-free, the prompt
+    computed once); each score must be the one HF's padded forward gives that input, in its place,
+    whether the prompts are shared or not and however the rows are cut."""
     import torch
 
     from common.model import SEQ_CLS, load_model, load_tokenizer
@@ -309,11 +310,18 @@ def test_scorer_batches_by_length_and_returns_scores_in_input_order(tiny_model):
         for name, p in model.named_parameters():
             if "lora_B" in name or "score" in name:
                 p.normal_(0, 0.5)
-    prompt = [{"role": "user", "content": "CMV: tabs are better than spaces."}]
+    tabs = [{"role": "user", "content": "CMV: tabs are better than spaces."}]
+    vim = [{"role": "user", "content": "CMV: vim is easier to learn than emacs, once you try."}]
+    prompts = [tabs, vim, tabs, tabs, vim, tabs]
     replies = ["No.", "Spaces render the same everywhere, " * 6, "Tabs let each reader pick a width.",
-               "Consistency matters more than the choice " * 3, "Editors convert them anyway, so it hardly matters."]
-    batched = RewardScorer(model, tok, 64, 256, batch_size=2).score([prompt] * 5, replies)
-    alone = [RewardScorer(model, tok, 64, 256, batch_size=1).score([prompt], [r])[0] for r in replies]
-    assert batched == pytest.approx(alone, abs=0.05)  # bf16: a few units in the last place
-    gaps = [abs(a - b) for i, a in enumerate(alone) for b in alone[i + 1:]]
+               "Consistency matters more than the choice " * 3, "Modal editing is a habit.",
+               "Editors convert them anyway, so it hardly matters."]
+    scorer = RewardScorer(model, tok, 64, 256, batch_size=2)
+    padded = scorer._padded([scorer.encode(p, r) for p, r in zip(prompts, replies)])  # HF's own forward
+    packed = scorer.score(prompts, replies)
+    one_row = RewardScorer(model, tok, 64, 256, batch_size=64).score(prompts, replies)
+    alone = [RewardScorer(model, tok, 64, 256, batch_size=1).score([p], [r])[0] for p, r in zip(prompts, replies)]
+    for scores in (packed, one_row, alone):
+        assert scores == pytest.approx(padded, abs=0.05)  # bf16: a few units in the last place
+    gaps = [abs(a - b) for i, a in enumerate(padded) for b in padded[i + 1:]]
     assert min(gaps) > 0.2  # distinct scores: a score in another input's place would show
