@@ -62,9 +62,9 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _prefill(lm, ids, positions, keys, values, mask):
-    """The decoder over prompt `ids` (B, T) through the model's own modules, K/V written to the first
-    T cache slots, attention by SDPA with `mask` (B, 1, T, T); returns last-position logits (B, V)."""
+def _prefill(lm, ids, positions, mask, store):
+    """The decoder over prompt `ids` (B, T) through the model's own modules, attention by SDPA with
+    `mask` (B, 1, T, T), each layer's K/V handed to `store(layer, k, v)`; returns last-position logits (B, V)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     core = lm.model
     h = core.embed_tokens(ids)
@@ -78,8 +78,7 @@ def _prefill(lm, ids, positions, keys, values, mask):
         k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys[i][:, :, :T] = k
-        values[i][:, :, :T] = v
+        store(i, k, v)
         rep = q.shape[1] // k.shape[1]  # K/V expanded: SDPA's masked kernels refuse GQA (bench/RESULTS.md)
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
                                            attn_mask=mask, scale=attn.scaling)
@@ -123,10 +122,21 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
     # A pad query attends to itself only, so that no row of the mask is empty (NaN).
     mask = (causal[None] & key_ok[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)[None]
     logits = torch.empty(B, lm.lm_head.weight.shape[0], device=device)
+    # A prompt repeated in the batch (GRPO: num_generations replies to each premise) runs once; its K/V
+    # and logits go to every row that holds it.
+    _, copy_of = torch.unique(ids, dim=0, return_inverse=True)
+    first = torch.full((int(copy_of.max()) + 1,), B, device=device).scatter_reduce(
+        0, copy_of, torch.arange(B, device=device), "amin")
     rows = max(1, prefill_tokens // P)
-    for r0 in range(0, B, rows):
-        r = slice(r0, min(B, r0 + rows))
-        logits[r] = _prefill(lm, ids[r], positions[r], [k[r] for k in keys], [v[r] for v in values], mask[r, None])
+    for u0 in range(0, len(first), rows):
+        run = first[u0:u0 + rows]
+        to = ((copy_of >= u0) & (copy_of < u0 + len(run))).nonzero()[:, 0]
+        src = copy_of[to] - u0
+
+        def store(i, k, v, to=to, src=src):
+            keys[i][to, :, :P] = k[src]
+            values[i][to, :, :P] = v[src]
+        logits[to] = _prefill(lm, ids[run], positions[run], mask[run, None], store)[src]
 
     # Decode state, all in fixed tensors so that one captured step can be replayed.
     fused_step = DecodeStep(model, weights)

@@ -41,15 +41,16 @@ def _left_padded(prompts, pad):
     return ids, mask
 
 
-@pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty):
+@pytest.mark.parametrize("penalty,prefill_tokens", [(1.0, 40), (1.3, 40), (1.0, 4096)])
+def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tokens):
     from common.generation import decode, eos_ids
     model, tok = lora_tiny
-    prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
+    # repeated prompts (GRPO's replies to one premise) are prefilled once and copied to their rows
+    prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 3, 9, 30, 17)]
     eos = eos_ids(model, tok)
     # prefill_tokens=40: one prompt row at a time, as large batches are prefilled on the GPU
     ours = decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, repetition_penalty=penalty,
-                  prefill_tokens=40)
+                  prefill_tokens=prefill_tokens)
     ids, mask = _left_padded(prompts, tok.pad_token_id)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                          repetition_penalty=penalty, pad_token_id=tok.pad_token_id, eos_token_id=eos)
@@ -106,7 +107,9 @@ def test_fused_decode_step_gives_the_models_own_logits(four_bit_lora, weights):
         keys = torch.zeros(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, attn.head_dim, dtype=torch.bfloat16, device=dev)
         values = torch.zeros_like(keys)
         causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=dev).tril()[None, None].expand(B, 1, -1, -1)
-        _prefill(lm, ids[:, :-1], torch.arange(T - 1, device=dev)[None].expand(B, -1), keys, values, causal)
+        def store(i, k, v):
+            keys[i][:, :, :T - 1], values[i][:, :, :T - 1] = k, v
+        _prefill(lm, ids[:, :-1], torch.arange(T - 1, device=dev)[None].expand(B, -1), causal, store)
         step = DecodeStep(model, weights)
         logits = step(ids[:, -1], torch.full((B, 1), T - 1, device=dev), keys, values, torch.tensor([T - 1], device=dev),
                       torch.zeros(B, 1, 1, T, dtype=torch.bfloat16, device=dev))
