@@ -129,8 +129,9 @@ class Words:
         self.prompt_overhead = len(empty["input_ids"] if hasattr(empty, "keys") else empty)
 
     @staticmethod
-    def text(n: int) -> str:
-        return ("the" + " the" * (n - 1)) if n > 0 else ""
+    def text(n: int, word: str = "the") -> str:
+        """n tokens of `word` ("the" or "a": one token each, with or without the space before it)."""
+        return (word + f" {word}" * (n - 1)) if n > 0 else ""
 
     def prompt(self, n_tokens: int) -> list[dict]:
         return [{"role": "user", "content": self.text(max(1, n_tokens - self.prompt_overhead))}]
@@ -725,7 +726,9 @@ class Bench:
         else:
             items = step_batches(lengths, per_device * ga, self.steps, ours and cfg.group_by_length, seed=3,
                                  key=longer)
-        rows = [{"prompt": self.words.prompt(p), "chosen": Words.text(c - 1), "rejected": Words.text(j - 1)}
+        # Replies of different words, as a pair's two replies differ from their first token: the shared
+        # prompt (padding_free) then shares the prompt only.
+        rows = [{"prompt": self.words.prompt(p), "chosen": Words.text(c - 1), "rejected": Words.text(j - 1, "a")}
                 for p, c, j in items]
         fresh_adapter(self.judge_model)
         self.plain_judge()

@@ -1,7 +1,7 @@
 """The fused NF4 matmul (common/nf4_matmul.py) against bitsandbytes' dequantise + cuBLAS, at Llama 3 8B shapes.
 
     python bench/bench_nf4_matmul.py --out bench/out/nf4_matmul.json            # one GPU
-    python bench/bench_nf4_matmul.py --out bench/out/nf4_matmul.json --sweep    # + every (BLOCK_N, SPLIT_K)
+    python bench/bench_nf4_matmul.py --out bench/out/nf4_matmul.json --sweep    # + other configurations
     python bench/bench_nf4_matmul.py --tiny --out /tmp/nf4_matmul.json          # CPU smoke run (interpreter)
 
 For M (sequences per decode step) in --m and each linear shape (N, K) of a decoder layer: (a) bitsandbytes'
@@ -10,6 +10,8 @@ with its default configuration. Each is timed as a CUDA graph of calls (so launc
 rotating over enough copies of the weight that they do not fit in L2 (in a decode step each weight is read
 once, from HBM). Reports microseconds per call, GB/s on the packed 4-bit bytes (absmax adds 1/8 more),
 the max relative difference of the two outputs, and the whole 32-layer model's time per decode step.
+--sweep also times BLOCK_N in {32, 64, 128} x SPLIT_K in {1, 2, 4, 8}, and the default tile at 1-3 pipeline
+stages, for each shape: what to change `nf4_matmul._config` to.
 Results go to --out as JSON, rewritten after each measurement, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -133,21 +135,23 @@ def main():
             print(f"| {m} | {n} | {k} | {base:.1f} | {fused:.1f} | {base / fused:.2f}x | {gbs:.0f} | {config[0]}, "
                   f"{config[1]} | {diff:.1e} |", flush=True)
             if args.sweep:
-                for block_n in (32, 64, 128):
-                    for split in (1, 2, 4, 8):
-                        kw = dict(block_n=block_n, split_k=split, num_warps=8 if block_n == 128 else 4)
-                        try:
-                            t = time_us([lambda p=p, a=a: nf4_matmul.nf4_linear(x, p, a, qs.code, n, k, out=y, **kw)
-                                         for p, a in ws], device)
-                        except Exception as e:  # a configuration that does not compile (shared memory) or run
-                            t = None
-                            print(f"  sweep M={m} N={n} K={k} {kw}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                        result["sweep"].append({"M": m, "N": n, "K": k, **kw, "us": t})
-                        save()
+                # the (BLOCK_N, SPLIT_K) grid at the default 4 stages, then the default tile at fewer stages
+                # (at 2+ stages triton also prefetches the code-table gathers through shared memory)
+                grid = [(bn, sp, 4) for bn in (32, 64, 128) for sp in (1, 2, 4, 8)] + [(*config, st) for st in (1, 2, 3)]
+                for block_n, split, stages in grid:
+                    kw = dict(block_n=block_n, split_k=split, num_stages=stages, num_warps=8 if block_n == 128 else 4)
+                    try:
+                        t = time_us([lambda p=p, a=a: nf4_matmul.nf4_linear(x, p, a, qs.code, n, k, out=y, **kw)
+                                     for p, a in ws], device)
+                    except Exception as e:  # a configuration that does not compile (shared memory) or run
+                        t = None
+                        print(f"  sweep M={m} N={n} K={k} {kw}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    result["sweep"].append({"M": m, "N": n, "K": k, **kw, "us": t})
+                    save()
                 best = min((s for s in result["sweep"] if (s["M"], s["N"], s["K"]) == (m, n, k) and s["us"]),
                            key=lambda s: s["us"])
                 print(f"  sweep M={m} N={n} K={k}: best {best['us']:.1f} us at BLOCK_N={best['block_n']}, "
-                      f"SPLIT_K={best['split_k']}", flush=True)
+                      f"SPLIT_K={best['split_k']}, num_stages={best['num_stages']}", flush=True)
 
     if not args.tiny:  # the whole model's base-weight matmuls per decode step
         print("\n| M | bnb dequant + linear (ms / step) | nf4_linear (ms / step) |", flush=True)
