@@ -26,30 +26,33 @@ from common.model import unwrap_peft
 from common.shared_prompt import common_prefix, pack
 
 
-def packed_rewards(classifier, groups: list[list[torch.Tensor]], attention: str) -> torch.Tensor:
-    """The head's value (sequences, 1) for each sequence of `groups` (1-d CPU tensors, unpadded), in
-    order, run as one row; the sequences of a group share their common prefix. `classifier`: a causal
+def packed_rewards(classifier, rows: list[list[list[torch.Tensor]]], attention: str) -> torch.Tensor:
+    """The head's value (sequences, 1) for each sequence (1-d CPU tensors, unpadded) of `rows` of groups,
+    in order; a group's sequences share their common prefix, computed once. `classifier`: a causal
     decoder with a score head (LlamaForSequenceClassification), running `attention`."""
     device = classifier.score.weight.device
     pad = classifier.config.pad_token_id
     layout = []
-    for rows in groups:
-        shared = common_prefix(rows) if len(rows) > 1 else 0
-        layout.append((rows[0][:shared], [r[shared:] for r in rows]))
+    for groups in rows:
+        layout.append([])
+        for seqs in groups:
+            shared = common_prefix(seqs) if len(seqs) > 1 else 0
+            layout[-1].append((seqs[0][:shared], [s[shared:] for s in seqs]))
     packed = pack(layout, device)
     # Where each head reads, as LlamaForSequenceClassification picks it (the last token that is not the
-    # pad token; the first if all are), as an index into the row.
-    heads = []
-    for g, rows in enumerate(groups):
-        shared = len(layout[g][0])
-        for row in rows:
-            real = (row != pad).nonzero()
-            t = int(real[-1]) if len(real) else 0
-            start = int(packed.starts[len(heads)])
-            heads.append(int(packed.prefix_starts[g]) + t if t < shared else start + t - shared)
-    hidden = classifier.model(input_ids=packed.ids[None], position_ids=packed.positions[None], use_cache=False,
+    # pad token; the first if all are), as an index into the flattened rows.
+    heads, g = [], 0
+    for groups, laid in zip(rows, layout):
+        for seqs, (prefix, _) in zip(groups, laid):
+            for seq in seqs:
+                real = (seq != pad).nonzero()
+                t = int(real[-1]) if len(real) else 0
+                start = int(packed.starts[len(heads)])
+                heads.append(int(packed.prefix_starts[g]) + t if t < len(prefix) else start + t - len(prefix))
+            g += 1
+    hidden = classifier.model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False,
                               attention_mask=packed.mask(attention)).last_hidden_state
-    return classifier.score(hidden[0, torch.tensor(heads, device=device)])
+    return classifier.score(hidden.reshape(-1, hidden.shape[-1])[torch.tensor(heads, device=device)])
 
 
 def unpad_rows(model, share_prompt: bool = False) -> str:
@@ -80,7 +83,7 @@ def unpad_rows(model, share_prompt: bool = False) -> str:
         n = len(rows) // 2
         pairs = share_prompt and len(rows) == 2 * n
         groups = [[i, n + i] for i in range(n)] if pairs else [[i] for i in range(len(rows))]
-        logits = packed_rewards(classifier, [[rows[i] for i in g] for g in groups], attention)
+        logits = packed_rewards(classifier, [[[rows[i] for i in g] for g in groups]], attention)  # one row
         order = torch.tensor([i for g in groups for i in g], device=logits.device)
         return SequenceClassifierOutputWithPast(logits=logits[torch.argsort(order)])  # TRL's row order
 

@@ -173,27 +173,31 @@ class RewardScorer:
         return scores
 
     def _packed(self, prompts, encoded) -> list[float]:
+        """The replies to one prompt share it. FlexAttention (a judge trained padding-free on a GPU) runs
+        many groups end to end in one row; SDPA (the CPU, a judge loaded to score) runs one group a row,
+        rows padded, since its dense mask costs the square of the row's length."""
         from common.padding_free import packed_rewards
         classifier = unwrap_peft(self.model)
-        attention = "flex_attention" if torch.cuda.is_available() else "sdpa"
-        if classifier.config._attn_implementation != attention:  # for good: a frozen or trained judge
-            classifier.set_attn_implementation(attention)
+        attention = classifier.config._attn_implementation
+        one_row = attention == "flex_attention"
         groups: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):
             groups.setdefault(json.dumps(prompt), []).append(i)
         sequences = [torch.tensor(e) for e in encoded]
         scores = [0.0] * len(encoded)
-        budget = self.batch_size * self.max_length  # tokens a row holds, as the padded batches did
-        row, tokens = [], 0
+        budget = self.batch_size * self.max_length  # tokens a forward holds, as the padded batches did
+        batch, tokens = [], 0
         for members in [*groups.values(), None]:
             size = sum(len(encoded[i]) for i in members) if members else 0
-            if row and (members is None or tokens + size > budget):
-                values = packed_rewards(classifier, [[sequences[i] for i in g] for g in row], attention)
-                for i, value in zip((i for g in row for i in g), values[:, 0].float().tolist()):
+            if batch and (members is None or tokens + size > budget):
+                rows = [[[sequences[i] for i in g] for g in batch]] if one_row else [[[sequences[i] for i in g]]
+                                                                                  for g in batch]
+                values = packed_rewards(classifier, rows, attention)[:, 0].float().tolist()
+                for i, value in zip((i for g in batch for i in g), values):
                     scores[i] = value
-                row, tokens = [], 0
+                batch, tokens = [], 0
             if members:
-                row.append(members)
+                batch.append(members)
                 tokens += size
         return scores
 

@@ -155,41 +155,50 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
 
 @dataclass
 class Packed:
-    """Groups of (prefix, branches) end to end in one row."""
-    ids: torch.Tensor            # (N,)
-    positions: torch.Tensor      # (N,): a branch's positions continue from its group's prefix
-    doc: torch.Tensor            # (N,): the group of each token
-    branch: torch.Tensor         # (N,): 0 in a prefix, j in its group's j-th branch
-    prefix_starts: torch.Tensor  # (groups,), on the CPU: where each group's prefix starts
-    starts: torch.Tensor         # (branches,), on the CPU: where each branch starts, groups in order
+    """Rows of groups of (prefix, branches) end to end, right-padded to one length."""
+    ids: torch.Tensor            # (rows, L)
+    positions: torch.Tensor      # (rows, L): a branch's positions continue from its group's prefix
+    doc: torch.Tensor            # (rows, L): the group of each token in its row; -1 in the padding
+    branch: torch.Tensor         # (rows, L): 0 in a prefix, j in its group's j-th branch; -1 in the padding
+    prefix_starts: torch.Tensor  # (groups,), on the CPU: where each prefix starts in the flattened rows
+    starts: torch.Tensor         # (branches,), on the CPU: where each branch starts, groups in order, ditto
 
     def mask(self, attention: str):
-        """The attention of the row: causal, within its group, and a branch sees its prefix and itself only."""
+        """Causal, within a group, and a branch sees its prefix and itself only (a pad token sees the
+        padding before it, so that no query row is empty)."""
         doc, branch = self.doc, self.branch
 
         def rule(b, h, q, kv):
-            return (kv <= q) & (doc[q] == doc[kv]) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
-        return rule_mask(rule, None, len(self.ids), self.ids.device, attention)
+            return (kv <= q) & (doc[b, q] == doc[b, kv]) & ((branch[b, kv] <= 0) | (branch[b, kv] == branch[b, q]))
+        return rule_mask(rule, len(self.ids), self.ids.shape[1], self.ids.device, attention)
 
 
-def pack(groups: list[tuple[torch.Tensor, list[torch.Tensor]]], device) -> Packed:
-    """One row on `device` from groups of (prefix ids, [branch ids, ...]), 1-d CPU tensors (built on the
-    CPU: one copy to the device, no synchronisation per group)."""
-    parts, prefix_starts, starts, n = [], [], [], 0
-    for g, (prefix, branches) in enumerate(groups):
-        prefix_starts.append(n)
-        parts.append((prefix, torch.arange(len(prefix)), g, 0))
-        n += len(prefix)
-        for j, tokens in enumerate(branches, 1):
-            starts.append(n)
-            parts.append((tokens, torch.arange(len(prefix), len(prefix) + len(tokens)), g, j))
-            n += len(tokens)
+def pack(rows: list[list[tuple[torch.Tensor, list[torch.Tensor]]]], device) -> Packed:
+    """Rows on `device`, each from groups of (prefix ids, [branch ids, ...]), 1-d CPU tensors (built on
+    the CPU: one copy to the device, no synchronisation per group)."""
+    parts, prefix_starts, starts = [], [], []
+    width = max(sum(len(p) + sum(len(b) for b in bs) for p, bs in row) for row in rows)
+    for r, row in enumerate(rows):
+        n = r * width
+        for g, (prefix, branches) in enumerate(row):
+            prefix_starts.append(n)
+            parts.append((r, prefix, torch.arange(len(prefix)), g, 0))
+            n += len(prefix)
+            for j, tokens in enumerate(branches, 1):
+                starts.append(n)
+                parts.append((r, tokens, torch.arange(len(prefix), len(prefix) + len(tokens)), g, j))
+                n += len(tokens)
 
-    def column(values):
-        return torch.cat(values).to(device=device, dtype=torch.long)
-    return Packed(ids=column([p[0] for p in parts]), positions=column([p[1] for p in parts]),
-                  doc=column([torch.full((len(p[0]),), p[2]) for p in parts]),
-                  branch=column([torch.full((len(p[0]),), p[3]) for p in parts]),
+    def column(field, pad):
+        out = torch.full((len(rows), width), pad, dtype=torch.long)
+        for r in range(len(rows)):
+            values = [field(p) for p in parts if p[0] == r]
+            row = torch.cat(values)
+            out[r, :len(row)] = row
+        return out.to(device)
+    return Packed(ids=column(lambda p: p[1], 0), positions=column(lambda p: p[2], 0),
+                  doc=column(lambda p: torch.full((len(p[1]),), p[3]), -1),
+                  branch=column(lambda p: torch.full((len(p[1]),), p[4]), -1),
                   prefix_starts=torch.tensor(prefix_starts), starts=torch.tensor(starts))
 
 
@@ -284,11 +293,11 @@ def _branch_logps(trainer, model, input_ids, attention_mask, n_reply, attention)
         prompt = prompts[rows[0]]
         layout.append((prompt[:-1], [torch.cat([prompt[-1:], replies[r]]) for r in rows]))
         order += rows
-    packed = pack(layout, input_ids.device)
+    packed = pack([layout], input_ids.device)  # one row: no padding
     labels = packed.ids.masked_fill(packed.branch == 0, -100)
-    labels[packed.starts.to(labels.device)] = -100  # a branch's copy of the prompt's last token: not a reply token
+    labels[0, packed.starts.to(labels.device)] = -100  # a branch's copy of the prompt's last token: no reply token
     with trainer.accelerator.autocast():
-        out = model(input_ids=packed.ids[None], position_ids=packed.positions[None], labels=labels[None],
+        out = model(input_ids=packed.ids, position_ids=packed.positions, labels=labels,
                     attention_mask=packed.mask(attention), fused_lm_head=True)
     # Row r's k-th reply token sits at start + 1 + k, and its prediction at start + k of the shifted output.
     index = torch.zeros(len(ids), n_reply, dtype=torch.long)

@@ -18,18 +18,22 @@ from common.patches import unmask_right_padding
 
 
 def test_packed_row_mask_keeps_groups_and_branches_apart():
-    # group 0: prefix [5, 6], branches [7, 8] and [9]; group 1: no prefix, one branch [4, 4]
-    packed = pack([(torch.tensor([5, 6]), [torch.tensor([7, 8]), torch.tensor([9])]),
-                   (torch.tensor([], dtype=torch.long), [torch.tensor([4, 4])])], "cpu")
-    assert packed.ids.tolist() == [5, 6, 7, 8, 9, 4, 4]
-    assert packed.positions.tolist() == [0, 1, 2, 3, 2, 0, 1]  # a branch continues its prefix
-    assert packed.starts.tolist() == [2, 4, 5] and packed.prefix_starts.tolist() == [0, 5]
-    mask = packed.mask("sdpa")[0, 0]
+    # row 0: group 0 (prefix [5, 6], branches [7, 8] and [9]) then group 1 (no prefix, one branch [4, 4]);
+    # row 1: one group (prefix [3], branch [2]), padded
+    packed = pack([[(torch.tensor([5, 6]), [torch.tensor([7, 8]), torch.tensor([9])]),
+                    (torch.tensor([], dtype=torch.long), [torch.tensor([4, 4])])],
+                   [(torch.tensor([3]), [torch.tensor([2])])]], "cpu")
+    assert packed.ids.tolist() == [[5, 6, 7, 8, 9, 4, 4], [3, 2, 0, 0, 0, 0, 0]]
+    assert packed.positions[0].tolist() == [0, 1, 2, 3, 2, 0, 1]  # a branch continues its prefix
+    assert packed.starts.tolist() == [2, 4, 5, 8] and packed.prefix_starts.tolist() == [0, 5, 7]  # flattened
+    mask = packed.mask("sdpa")[:, 0]
     q, kv = torch.meshgrid(torch.arange(7), torch.arange(7), indexing="ij")
-    doc, branch = packed.doc, packed.branch
-    assert torch.equal(mask, (kv <= q) & (doc[q] == doc[kv]) & ((branch[kv] == 0) | (branch[kv] == branch[q])))
-    assert mask[4, 1] and mask[4, 4] and not mask[4, 3] and not mask[4, 2]  # the second branch: prefix and itself
-    assert mask[5, 5] and not mask[5, 4]  # a group never sees the one before it
+    doc, branch = packed.doc[0], packed.branch[0]
+    assert torch.equal(mask[0], (kv <= q) & (doc[q] == doc[kv]) & ((branch[kv] == 0) | (branch[kv] == branch[q])))
+    assert mask[0, 4, 1] and mask[0, 4, 4] and not mask[0, 4, 3] and not mask[0, 4, 2]  # prefix and itself only
+    assert mask[0, 5, 5] and not mask[0, 5, 4]  # a group never sees the one before it
+    assert mask[1, 1, :2].all() and not mask[1, :2, 2:].any()  # real tokens never see the padding
+    assert mask[1].any(-1).all()  # and no query row is empty
     assert common_prefix([torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4, 5])]) == 2
     assert common_prefix([torch.tensor([1, 2]), torch.tensor([1, 2, 4])]) == 1  # every branch keeps a token
 
