@@ -12,9 +12,10 @@ launching them (docs/performance.md).
 
 The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the compute dtype, as
 training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
-- "nf4": each 4-bit weight is dequantised into one scratch buffer on every step, as bitsandbytes
-  does, but with the absmax of double quantisation decoded once and kept on the model (the base is
-  frozen; 4 bytes per 64 weights).
+- "nf4": on a GPU with Triton, each matmul is one kernel that reads the 4-bit weight and dequantises
+  it in registers (common/nf4_matmul.py); elsewhere each weight is dequantised into one scratch buffer
+  on every step, as bitsandbytes does. Either way the absmax of double quantisation is decoded once
+  and kept on the model (the base is frozen; 4 bytes per 64 weights).
 - "bf16": stacked bf16 copies kept on the model (`_dense_base`, 2 bytes a weight), made at the first
   decode: no dequantising per token, for GPUs with room.
 A base that is not 4-bit (a full-precision test model) is stacked at each decode.
@@ -25,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.activations import ACT2FN
+
+from common import nf4_matmul
 
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
 # whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
@@ -81,9 +84,10 @@ class _Group:
         self.in_features = bases[0].in_features
         rows = sum(self.sizes)
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
-        if self.nf4:  # dequantised into `scratch` at each step
+        self.fused = self.nf4 and bases[0].weight.is_cuda and nf4_matmul.available()
+        if self.nf4:  # read by the fused kernel, or dequantised into `scratch` at each step
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
-            self.weight = scratch[:rows * self.in_features].view(rows, self.in_features)
+            self.weight = None if self.fused else scratch[:rows * self.in_features].view(rows, self.in_features)
         elif all(_is_4bit(b) for b in bases):  # bf16 copies, made once: the base is frozen
             from bitsandbytes.functional import dequantize_4bit
             cache = model.__dict__.setdefault("_dense_base", {})
@@ -108,12 +112,21 @@ class _Group:
                 o0 += size
 
     def __call__(self, x, residual=None):
-        if self.nf4:
+        if self.fused:  # each 4-bit weight read once, dequantised in registers, into its columns of y
+            y = torch.empty(x.shape[0], sum(self.sizes), dtype=x.dtype, device=x.device)
+            o0 = 0
+            for (linear, absmax), size in zip(self.bases, self.sizes):
+                qs = linear.weight.quant_state
+                nf4_matmul.nf4_linear(x, linear.weight.data, absmax, qs.code, size, self.in_features, qs.blocksize,
+                                      out=y[:, o0:o0 + size], residual=residual)  # a residual: one linear
+                o0 += size
+        elif self.nf4:
             o0 = 0
             for (linear, absmax), size in zip(self.bases, self.sizes):
                 _dequantize_into(self.weight[o0:o0 + size], linear, absmax)
                 o0 += size
-        y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
+        if not self.fused:
+            y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
         if self.lora_a is not None:
             y = torch.addmm(y, F.linear(x, self.lora_a), self.lora_b.t())
         return y
@@ -133,7 +146,9 @@ class DecodeStep:
         # "nf4": one scratch buffer, as large as the largest stacked group, takes every dequantised weight.
         bases = [[getattr(m, "base_layer", m) for m in g] for g in groups[0]]
         widest = max(sum(b.weight.numel() * 2 for b in g if _is_4bit(b)) for g in bases)  # two weights a byte
-        scratch = torch.empty(widest if weights == "nf4" else 0, dtype=dtype, device=core.embed_tokens.weight.device)
+        device = core.embed_tokens.weight.device
+        fused = device.type == "cuda" and nf4_matmul.available()  # the fused kernel needs no scratch
+        scratch = torch.empty(widest if weights == "nf4" and not fused else 0, dtype=dtype, device=device)
         self.layers = [(layer, *(_Group(model, [names[id(m)] for m in g], g, weights, dtype, scratch) for g in gs))
                        for layer, gs in zip(core.layers, groups)]
         attn = core.layers[0].self_attn
