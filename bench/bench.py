@@ -774,6 +774,7 @@ class Bench:
 
     # GRPO ------------------------------------------------------------------------------------------
     def grpo(self, ours, steps, name=None, **over):
+        from common.model import unwrap_peft
         from common.rewards import RewardScorer
         from common.watch import WatchedReward
         over = over if ours else {"rollout_backend": "hf", "gradient_accumulation_steps": 1}
@@ -789,6 +790,8 @@ class Bench:
         self.tokenizer.padding_side = "left"
         prompts = self.grpo_mod.prompt_dataset(str(pairs), self.tokenizer, cfg)
         fresh_adapter(self.policy)
+        if unwrap_peft(self.policy).config._attn_implementation != "sdpa":  # an earlier row's shared prompt
+            unwrap_peft(self.policy).set_attn_implementation("sdpa")
         self.plain_judge()
         self.judge_model.eval()
         # as stage 04 gives it (the watch's statistics included); no guard: a random model's lengths are flat
