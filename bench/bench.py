@@ -773,7 +773,8 @@ class Bench:
             unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
 
     # GRPO ------------------------------------------------------------------------------------------
-    def grpo(self, ours, steps, name=None, **over):
+    def grpo(self, ours, steps, name=None, fused_nf4=True, **over):
+        from common import decode_step
         from common.model import unwrap_peft
         from common.rewards import RewardScorer
         from common.watch import WatchedReward
@@ -835,8 +836,12 @@ class Bench:
         sync()
         t0 = time.perf_counter()
         from common.training import train
-        with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
-            train(trainer, bench_run(self.work / "grpo"))
+        decode_step.FUSED_NF4 = fused_nf4
+        try:
+            with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
+                train(trainer, bench_run(self.work / "grpo"))
+        finally:
+            decode_step.FUSED_NF4 = True
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
@@ -851,6 +856,8 @@ class Bench:
         self.record({"stage": "grpo", "name": name or "grpo_" + ("ours" if ours else "trl") + dense,
                      "setting": "ours" if ours else "trl", "rollout_backend": cfg.rollout_backend, "rollout_batch": cfg.rollout_batch_size,
                      "rollout_weights": cfg.rollout_weights,
+                     "fused_nf4": fused_nf4 and cfg.rollout_weights == "nf4" and decode_step.nf4_matmul.available(),
+                     "gradient_checkpointing": cfg.gradient_checkpointing,
                      "completions_per_step": per_step, "reward_batch": cfg.reward_batch_size,
                      "lora_dropout": cfg.lora_dropout if ours else MODEL_LORA_DROPOUT,
                      "generation_batch": per_step, "max_completion_length": cfg.max_completion_length,
@@ -972,6 +979,7 @@ class Bench:
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
+            g("grpo ours dequant", lambda: self.grpo(True, 3, "grpo_ours_dequant", fused_nf4=False), 60)
             # rollouts on a bf16 copy of the frozen base (about 14 GB more on the 8B shape)
             g("grpo ours bf16 rollouts", lambda: self.grpo(True, 2 if self.tiny else 3, rollout_weights="bf16"), 60)
             # 128 completions sampled at once (32 premises a step, half the optimiser steps): the decode step
@@ -979,6 +987,13 @@ class Bench:
             g("grpo ours bf16 rollouts 128", lambda: self.grpo(True, 2 if self.tiny else 3, "grpo_ours_bf16_rollouts_128",
                                                                 rollout_weights="bf16", gradient_accumulation_steps=8,
                                                                 rollout_batch_size=128), 60)
+            # a GPU with room: no activation checkpointing in the update either
+            g("grpo ours bf16 rollouts no checkpointing", lambda: self.grpo(
+                True, 2 if self.tiny else 3, "grpo_ours_bf16_rollouts_no_checkpointing", rollout_weights="bf16",
+                gradient_checkpointing=False), 60)
+            g("grpo ours bf16 rollouts 128 no checkpointing", lambda: self.grpo(
+                True, 2 if self.tiny else 3, "grpo_ours_bf16_rollouts_128_no_checkpointing", rollout_weights="bf16",
+                gradient_accumulation_steps=8, rollout_batch_size=128, gradient_checkpointing=False), 60)
 
 def _allocated():
     return round(torch.cuda.memory_allocated() / GIB, 3) if torch.cuda.is_available() else None

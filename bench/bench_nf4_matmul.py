@@ -137,9 +137,10 @@ def main():
             if args.sweep:
                 # the (BLOCK_N, SPLIT_K) grid at the default 4 stages, then the default tile at fewer stages
                 # (at 2+ stages triton also prefetches the code-table gathers through shared memory)
-                grid = [(bn, sp, 4) for bn in (32, 64, 128) for sp in (1, 2, 4, 8)] + [(*config, st) for st in (1, 2, 3)]
-                for block_n, split, stages in grid:
-                    kw = dict(block_n=block_n, split_k=split, num_stages=stages, num_warps=8 if block_n == 128 else 4)
+                grid = [(bn, sp, st, warps, two) for two in (False, True) for bn in (32, 64) for sp in (1, 2, 4, 8)
+                        for st, warps in ((3, 4),)]
+                for block_n, split, stages, warps, two_dots in grid:
+                    kw = dict(block_n=block_n, split_k=split, num_stages=stages, num_warps=warps, two_dots=two_dots)
                     try:
                         t = time_us([lambda p=p, a=a: nf4_matmul.nf4_linear(x, p, a, qs.code, n, k, out=y, **kw)
                                      for p, a in ws], device)
@@ -150,8 +151,8 @@ def main():
                     save()
                 best = min((s for s in result["sweep"] if (s["M"], s["N"], s["K"]) == (m, n, k) and s["us"]),
                            key=lambda s: s["us"])
-                print(f"  sweep M={m} N={n} K={k}: best {best['us']:.1f} us at BLOCK_N={best['block_n']}, "
-                      f"SPLIT_K={best['split_k']}, num_stages={best['num_stages']}", flush=True)
+                print(f"  sweep M={m} N={n} K={k}: best {best['us']:.1f} us ({base / best['us']:.2f}x bnb) at "
+                      f"{ {key: best[key] for key in kw} }", flush=True)
 
     if not args.tiny:  # the whole model's base-weight matmuls per decode step
         print("\n| M | bnb dequant + linear (ms / step) | nf4_linear (ms / step) |", flush=True)

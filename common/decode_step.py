@@ -32,6 +32,9 @@ from common import nf4_matmul
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
 # whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
 # against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
+# nf4 base weights on a GPU with Triton: the fused kernel (True) or bitsandbytes' dequantisation + cuBLAS.
+# The bench compares the two (bench/bench.py's "grpo ours dequant" row).
+FUSED_NF4 = True
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
 
@@ -84,7 +87,7 @@ class _Group:
         self.in_features = bases[0].in_features
         rows = sum(self.sizes)
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
-        self.fused = self.nf4 and bases[0].weight.is_cuda and nf4_matmul.available()
+        self.fused = self.nf4 and bases[0].weight.is_cuda and FUSED_NF4 and nf4_matmul.available()
         if self.nf4:  # read by the fused kernel, or dequantised into `scratch` at each step
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
             self.weight = None if self.fused else scratch[:rows * self.in_features].view(rows, self.in_features)
@@ -147,7 +150,7 @@ class DecodeStep:
         bases = [[getattr(m, "base_layer", m) for m in g] for g in groups[0]]
         widest = max(sum(b.weight.numel() * 2 for b in g if _is_4bit(b)) for g in bases)  # two weights a byte
         device = core.embed_tokens.weight.device
-        fused = device.type == "cuda" and nf4_matmul.available()  # the fused kernel needs no scratch
+        fused = device.type == "cuda" and FUSED_NF4 and nf4_matmul.available()  # the fused kernel needs no scratch
         scratch = torch.empty(widest if weights == "nf4" and not fused else 0, dtype=dtype, device=device)
         self.layers = [(layer, *(_Group(model, [names[id(m)] for m in g], g, weights, dtype, scratch) for g in gs))
                        for layer, gs in zip(core.layers, groups)]

@@ -53,7 +53,8 @@ if triton is not None:
     def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, res_ptr, ws_ptr,
                            M, N, K, stride_xm, stride_om, stride_rm, blocks_per_split,
                            HAS_RESIDUAL: tl.constexpr, SPLIT_K: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           TWO_DOTS: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -66,6 +67,7 @@ if triton is not None:
         p_ptrs = packed_ptr + n[:, None] * (K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
         a_ptrs = absmax_ptr + n * (K // BLOCK_K)
         xt_ptrs = x_ptr + m[None, :] * stride_xm + tl.arange(0, BLOCK_K)[:, None]  # x^T tile (BLOCK_K, BLOCK_M)
+        xe_ptrs = x_ptr + m[None, :] * stride_xm + 2 * tl.arange(0, BLOCK_K // 2)[:, None]  # its even rows
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for kb in range(kb_start, kb_end):
             # rows past N read code 0 scaled by absmax 0: zero weights, so no mask is needed downstream
@@ -76,9 +78,15 @@ if triton is not None:
             # the kernel. At num_stages >= 2 triton prefetches the gathers through shared memory (cp.async).
             hi = tl.load(code_ptr + (p >> 4)) * a  # even k
             lo = tl.load(code_ptr + (p & 15)) * a  # odd k
-            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-            xt = tl.load(xt_ptrs + kb * BLOCK_K, mask=m_mask[None, :], other=0.0)
-            acc = tl.dot(w, xt, acc)
+            if TWO_DOTS:  # no interleaving: the even and the odd columns of x, one dot each
+                xe = tl.load(xe_ptrs + kb * BLOCK_K, mask=m_mask[None, :], other=0.0)
+                xo = tl.load(xe_ptrs + kb * BLOCK_K + 1, mask=m_mask[None, :], other=0.0)
+                acc = tl.dot(hi.to(x_ptr.dtype.element_ty), xe, acc)
+                acc = tl.dot(lo.to(x_ptr.dtype.element_ty), xo, acc)
+            else:
+                w = tl.reshape(tl.join(hi, lo), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+                xt = tl.load(xt_ptrs + kb * BLOCK_K, mask=m_mask[None, :], other=0.0)
+                acc = tl.dot(w, xt, acc)
         mask = n_mask[:, None] & m_mask[None, :]
         if SPLIT_K == 1:
             if HAS_RESIDUAL:
@@ -124,7 +132,7 @@ def _config(M: int, N: int, K: int, blocksize: int, device: torch.device) -> tup
 
 
 def nf4_linear(x, packed, absmax, code, out_features, in_features, blocksize=64, out=None, residual=None, *,
-               block_n=None, split_k=None, num_warps=4, num_stages=4) -> torch.Tensor:
+               block_n=None, split_k=None, num_warps=4, num_stages=4, two_dots=False) -> torch.Tensor:
     """x (M, K) @ W^T (+ residual) with W the NF4 weight (packed, absmax, code) of shape (out_features, in_features).
 
     out: None, or an (M, N) tensor, possibly a column slice of a wider buffer (unit column stride); written
@@ -163,7 +171,7 @@ def nf4_linear(x, packed, absmax, code, out_features, in_features, blocksize=64,
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     _nf4_matmul_kernel[grid](x, packed, absmax, code, out, res, ws, M, N, K, x.stride(0), out.stride(0),
                              res.stride(0), per_split, HAS_RESIDUAL=residual is not None, SPLIT_K=split,
-                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=blocksize,
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=blocksize, TWO_DOTS=two_dots,
                              num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         block = 1024
