@@ -773,7 +773,7 @@ class Bench:
             unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
 
     # GRPO ------------------------------------------------------------------------------------------
-    def grpo(self, ours, steps, name=None, fused_nf4=True, **over):
+    def grpo(self, ours, steps, name=None, fused_nf4=False, **over):
         from common import decode_step
         from common.model import unwrap_peft
         from common.rewards import RewardScorer
@@ -841,7 +841,7 @@ class Bench:
             with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
                 train(trainer, bench_run(self.work / "grpo"))
         finally:
-            decode_step.FUSED_NF4 = True
+            decode_step.FUSED_NF4 = False
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
@@ -979,7 +979,8 @@ class Bench:
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
-            g("grpo ours dequant", lambda: self.grpo(True, 3, "grpo_ours_dequant", fused_nf4=False), 60)
+            # the Triton NF4 kernel in the decode step instead of bitsandbytes' dequantisation (decode_step.FUSED_NF4)
+            g("grpo ours fused nf4", lambda: self.grpo(True, 3, "grpo_ours_fused_nf4", fused_nf4=True), 60)
             # rollouts on a bf16 copy of the frozen base (about 14 GB more on the 8B shape)
             g("grpo ours bf16 rollouts", lambda: self.grpo(True, 2 if self.tiny else 3, rollout_weights="bf16"), 60)
             # 128 completions sampled at once (32 premises a step, half the optimiser steps): the decode step

@@ -12,10 +12,10 @@ launching them (docs/performance.md).
 
 The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the compute dtype, as
 training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
-- "nf4": on a GPU with Triton, each matmul is one kernel that reads the 4-bit weight and dequantises
-  it in registers (common/nf4_matmul.py); elsewhere each weight is dequantised into one scratch buffer
-  on every step, as bitsandbytes does. Either way the absmax of double quantisation is decoded once
-  and kept on the model (the base is frozen; 4 bytes per 64 weights).
+- "nf4": each 4-bit weight is dequantised into one scratch buffer on every step, as bitsandbytes
+  does, but with the absmax of double quantisation decoded once and kept on the model (the base is
+  frozen; 4 bytes per 64 weights). `FUSED_NF4` swaps in a Triton kernel that dequantises in registers
+  (common/nf4_matmul.py), off by default: it is slower so far.
 - "bf16": stacked bf16 copies kept on the model (`_dense_base`, 2 bytes a weight), made at the first
   decode: no dequantising per token, for GPUs with room.
 A base that is not 4-bit (a full-precision test model) is stacked at each decode.
@@ -32,9 +32,10 @@ from common import nf4_matmul
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
 # whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
 # against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
-# nf4 base weights on a GPU with Triton: the fused kernel (True) or bitsandbytes' dequantisation + cuBLAS.
-# The bench compares the two (bench/bench.py's "grpo ours dequant" row).
-FUSED_NF4 = True
+# nf4 base weights on a GPU with Triton: the fused kernel (True) or bitsandbytes' dequantisation + cuBLAS
+# (False). The kernel is correct but slower today: 21.1 against 12.2 ms of base matmuls a decode step at 64
+# sequences on an H200, 0.66-0.75x at its best tiles (bench/bench_nf4_matmul.py, bench/RESULTS.md).
+FUSED_NF4 = False
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
 
