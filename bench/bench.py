@@ -773,7 +773,7 @@ class Bench:
             unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
 
     # GRPO ------------------------------------------------------------------------------------------
-    def grpo(self, ours, steps, name=None, fused_nf4=False, **over):
+    def grpo(self, ours, steps, name=None, nf4_kernel="triton", **over):
         from common import decode_step
         from common.model import unwrap_peft
         from common.rewards import RewardScorer
@@ -836,12 +836,12 @@ class Bench:
         sync()
         t0 = time.perf_counter()
         from common.training import train
-        decode_step.FUSED_NF4 = fused_nf4
+        decode_step.NF4_KERNEL = nf4_kernel
         try:
             with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
                 train(trainer, bench_run(self.work / "grpo"))
         finally:
-            decode_step.FUSED_NF4 = False
+            decode_step.NF4_KERNEL = "triton"
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
@@ -856,7 +856,8 @@ class Bench:
         self.record({"stage": "grpo", "name": name or "grpo_" + ("ours" if ours else "trl") + dense,
                      "setting": "ours" if ours else "trl", "rollout_backend": cfg.rollout_backend, "rollout_batch": cfg.rollout_batch_size,
                      "rollout_weights": cfg.rollout_weights,
-                     "fused_nf4": fused_nf4 and cfg.rollout_weights == "nf4" and decode_step.nf4_matmul.available(),
+                     "nf4_kernel": nf4_kernel if cfg.rollout_weights == "nf4" and decode_step.nf4_matmul.available()
+                     else "bitsandbytes",
                      "gradient_checkpointing": cfg.gradient_checkpointing,
                      "completions_per_step": per_step, "reward_batch": cfg.reward_batch_size,
                      "lora_dropout": cfg.lora_dropout if ours else MODEL_LORA_DROPOUT,
@@ -979,8 +980,9 @@ class Bench:
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
-            # the Triton NF4 kernel in the decode step instead of bitsandbytes' dequantisation (decode_step.FUSED_NF4)
-            g("grpo ours fused nf4", lambda: self.grpo(True, 3, "grpo_ours_fused_nf4", fused_nf4=True), 60)
+            # the decode step's 4-bit weights through bitsandbytes' dequantisation, or the fused Triton kernel
+            g("grpo ours bnb dequant", lambda: self.grpo(True, 3, "grpo_ours_bnb_dequant", nf4_kernel="bitsandbytes"), 60)
+            g("grpo ours fused nf4", lambda: self.grpo(True, 3, "grpo_ours_fused_nf4", nf4_kernel="fused"), 60)
             # rollouts on a bf16 copy of the frozen base (about 14 GB more on the 8B shape)
             g("grpo ours bf16 rollouts", lambda: self.grpo(True, 2 if self.tiny else 3, rollout_weights="bf16"), 60)
             # 128 completions sampled at once (32 premises a step, half the optimiser steps): the decode step

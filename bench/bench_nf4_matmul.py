@@ -62,6 +62,11 @@ def dequant_linear(x, packed, absmax, qs, buf):
     return F.linear(x, buf)
 
 
+def triton_dequant_linear(x, packed, absmax, qs, buf):
+    nf4_matmul.nf4_dequantize(packed, absmax, qs.code, buf, qs.blocksize)
+    return F.linear(x, buf)
+
+
 def time_us(calls, device):
     """Microseconds per call of `calls` (a list of thunks, one per weight copy), run as one CUDA graph."""
     if device != "cuda":  # the interpreter: only checks that it runs
@@ -110,9 +115,9 @@ def main():
     def save():
         out.write_text(json.dumps(result, indent=1))
 
-    print("| M | N | K | bnb dequant + linear (us) | nf4_linear (us) | speedup | nf4 GB/s (packed) "
-          "| BLOCK_N, SPLIT_K | max rel diff |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| M | N | K | bnb dequant + linear (us) | triton dequant + linear (us) | nf4_linear (us) | speedup "
+          "| nf4 GB/s (packed) | BLOCK_N, SPLIT_K | max rel diff |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for n, k in shapes:
         copies = 1 if args.tiny else max(2, math.ceil(L2_BYTES / (n * k // 2)))
         ws, qs = weights(n, k, copies, device)
@@ -124,15 +129,21 @@ def main():
             diff = ((nf4_matmul.nf4_linear(x, *ws[0], qs.code, n, k, out=y).float() - ref).abs().max()
                     / ref.abs().max()).item()
             base = time_us([lambda p=p, a=a: dequant_linear(x, p, a, qs, buf) for p, a in ws], device)
+            tdq = time_us([lambda p=p, a=a: triton_dequant_linear(x, p, a, qs, buf) for p, a in ws], device)
+            bnb_only = time_us([lambda p=p, a=a: torch.ops.bitsandbytes.dequantize_4bit.out(
+                p, a, qs.blocksize, "nf4", qs.shape, buf.dtype, out=buf) for p, a in ws], device) if device == "cuda" else 0
+            tdq_only = time_us([lambda p=p, a=a: nf4_matmul.nf4_dequantize(p, a, qs.code, buf, qs.blocksize)
+                                for p, a in ws], device)
             fused = time_us([lambda p=p, a=a: nf4_matmul.nf4_linear(x, p, a, qs.code, n, k, out=y) for p, a in ws],
                             device)
             config = nf4_matmul._config(m, n, k, 64, x.device)
             gbs = n * k / 2 / (fused * 1e-6) / 1e9
-            row = {"M": m, "N": n, "K": k, "bnb_us": base, "nf4_us": fused, "nf4_packed_GBps": gbs,
+            row = {"M": m, "N": n, "K": k, "bnb_us": base, "triton_dequant_us": tdq, "nf4_us": fused,
+                   "bnb_dequant_only_us": bnb_only, "triton_dequant_only_us": tdq_only, "nf4_packed_GBps": gbs,
                    "block_n": config[0], "split_k": config[1], "max_rel_diff": diff}
             result["rows"].append(row)
             save()
-            print(f"| {m} | {n} | {k} | {base:.1f} | {fused:.1f} | {base / fused:.2f}x | {gbs:.0f} | {config[0]}, "
+            print(f"| {m} | {n} | {k} | {base:.1f} | {tdq:.1f} | {fused:.1f} | {base / fused:.2f}x | {gbs:.0f} | {config[0]}, "
                   f"{config[1]} | {diff:.1e} |", flush=True)
             if args.sweep:
                 # the (BLOCK_N, SPLIT_K) grid at the default 4 stages, then the default tile at fewer stages
@@ -155,14 +166,15 @@ def main():
                       f"{ {key: best[key] for key in kw} }", flush=True)
 
     if not args.tiny:  # the whole model's base-weight matmuls per decode step
-        print("\n| M | bnb dequant + linear (ms / step) | nf4_linear (ms / step) |", flush=True)
-        print("|---|---|---|", flush=True)
+        keys = ("bnb_us", "triton_dequant_us", "nf4_us", "bnb_dequant_only_us", "triton_dequant_only_us")
+        print("\n| M | ms / decode step: " + " | ".join(keys) + " |", flush=True)
+        print("|---|" + "---|" * len(keys), flush=True)
         result["per_step"] = []
         for m in ms:
             t = {(r["N"], r["K"]): r for r in result["rows"] if r["M"] == m}
-            step = {key: LAYERS * sum(t[(n, k)][key] for _, n, k in LAYER) / 1e3 for key in ("bnb_us", "nf4_us")}
-            result["per_step"].append({"M": m, "bnb_ms": step["bnb_us"], "nf4_ms": step["nf4_us"]})
-            print(f"| {m} | {step['bnb_us']:.2f} | {step['nf4_us']:.2f} |", flush=True)
+            step = {key: LAYERS * sum(t[(n, k)][key] for _, n, k in LAYER) / 1e3 for key in keys}
+            result["per_step"].append({"M": m, **{key[:-3] + "_ms": v for key, v in step.items()}})
+            print(f"| {m} | " + " | ".join(f"{step[key]:.2f}" for key in keys) + " |", flush=True)
         save()
     print(f"\nwrote {out}", flush=True)
 

@@ -14,8 +14,8 @@ The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the com
 training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
 - "nf4": each 4-bit weight is dequantised into one scratch buffer on every step, as bitsandbytes
   does, but with the absmax of double quantisation decoded once and kept on the model (the base is
-  frozen; 4 bytes per 64 weights). `FUSED_NF4` swaps in a Triton kernel that dequantises in registers
-  (common/nf4_matmul.py), off by default: it is slower so far.
+  frozen; 4 bytes per 64 weights). On a GPU a Triton kernel dequantises (`NF4_KERNEL`,
+  common/nf4_matmul.py).
 - "bf16": stacked bf16 copies kept on the model (`_dense_base`, 2 bytes a weight), made at the first
   decode: no dequantising per token, for GPUs with room.
 A base that is not 4-bit (a full-precision test model) is stacked at each decode.
@@ -32,10 +32,12 @@ from common import nf4_matmul
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
 # whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
 # against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
-# nf4 base weights on a GPU with Triton: the fused kernel (True) or bitsandbytes' dequantisation + cuBLAS
-# (False). The kernel is correct but slower today: 21.1 against 12.2 ms of base matmuls a decode step at 64
-# sequences on an H200, 0.66-0.75x at its best tiles (bench/bench_nf4_matmul.py, bench/RESULTS.md).
-FUSED_NF4 = False
+# How the nf4 step reads its 4-bit base weights on a GPU with Triton (common/nf4_matmul.py):
+# "triton": dequantised into the scratch buffer by a Triton kernel, then cuBLAS;
+# "bitsandbytes": the same with bitsandbytes' own dequantisation kernel (the only choice without Triton);
+# "fused": one Triton kernel that dequantises in registers and multiplies, no scratch. It is correct but
+#   slower so far: 21.1 against 12.2 ms of base matmuls a step at 64 sequences on an H200 (bench/RESULTS.md).
+NF4_KERNEL = "triton"
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
 
@@ -71,7 +73,9 @@ def _absmax(model, name, linear) -> torch.Tensor:
 def _dequantize_into(out, linear, absmax) -> None:
     qs = linear.weight.quant_state
     args = (linear.weight.data, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype)
-    if out.is_cuda:
+    if out.is_cuda and NF4_KERNEL == "triton" and qs.quant_type == "nf4" and nf4_matmul.available():
+        nf4_matmul.nf4_dequantize(linear.weight.data, absmax, qs.code, out, qs.blocksize)
+    elif out.is_cuda:
         torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
     else:  # bitsandbytes 0.50 registers the out= form for CUDA only
         out.copy_(torch.ops.bitsandbytes.dequantize_4bit(*args))
@@ -88,7 +92,7 @@ class _Group:
         self.in_features = bases[0].in_features
         rows = sum(self.sizes)
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
-        self.fused = self.nf4 and bases[0].weight.is_cuda and FUSED_NF4 and nf4_matmul.available()
+        self.fused = self.nf4 and bases[0].weight.is_cuda and NF4_KERNEL == "fused" and nf4_matmul.available()
         if self.nf4:  # read by the fused kernel, or dequantised into `scratch` at each step
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
             self.weight = None if self.fused else scratch[:rows * self.in_features].view(rows, self.in_features)
@@ -151,7 +155,7 @@ class DecodeStep:
         bases = [[getattr(m, "base_layer", m) for m in g] for g in groups[0]]
         widest = max(sum(b.weight.numel() * 2 for b in g if _is_4bit(b)) for g in bases)  # two weights a byte
         device = core.embed_tokens.weight.device
-        fused = device.type == "cuda" and FUSED_NF4 and nf4_matmul.available()  # the fused kernel needs no scratch
+        fused = device.type == "cuda" and NF4_KERNEL == "fused" and nf4_matmul.available()  # no scratch then
         scratch = torch.empty(widest if weights == "nf4" and not fused else 0, dtype=dtype, device=device)
         self.layers = [(layer, *(_Group(model, [names[id(m)] for m in g], g, weights, dtype, scratch) for g in gs))
                        for layer, gs in zip(core.layers, groups)]

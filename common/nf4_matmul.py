@@ -110,6 +110,33 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_bytes,
+                               BYTES_PER_ABSMAX: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n_bytes
+        p = tl.load(packed_ptr + i, mask=mask, other=0).to(tl.int32)
+        a = tl.load(absmax_ptr + i // BYTES_PER_ABSMAX, mask=mask, other=0.0)
+        hi = tl.load(code_ptr + (p >> 4)) * a  # the even element
+        lo = tl.load(code_ptr + (p & 15)) * a
+        w = tl.reshape(tl.join(hi, lo), (2 * BLOCK,)).to(out_ptr.dtype.element_ty)
+        o = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
+        tl.store(out_ptr + o, w, mask=o < 2 * n_bytes)
+
+
+def nf4_dequantize(packed, absmax, code, out, blocksize=64, block=2048) -> torch.Tensor:
+    """bitsandbytes' NF4 dequantisation (the same values, rounded to out's dtype as it rounds them) into `out`
+    (contiguous, numel = 2 x packed bytes): a memory-bound pass that reads half a byte and writes one weight
+    per element. The decode step's nf4 mode runs it in place of bitsandbytes' kernel (bench/RESULTS.md)."""
+    if triton is None:
+        raise RuntimeError("nf4_dequantize needs triton (not installed)")
+    n_bytes = packed.numel()
+    assert out.is_contiguous() and out.numel() == 2 * n_bytes and absmax.numel() * blocksize == 2 * n_bytes
+    _nf4_dequantize_kernel[(triton.cdiv(n_bytes, block),)](packed, absmax, code, out, n_bytes,
+                                                           BYTES_PER_ABSMAX=blocksize // 2, BLOCK=block, num_warps=8)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":

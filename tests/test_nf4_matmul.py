@@ -108,6 +108,28 @@ def test_comparison_is_sensitive(nf4):
     assert rel_err(run(nf4, x, swapped, absmax, qs, n, k), ref) > 1e-1
 
 
+def _dequantize_check(nf4, dtype):
+    import bitsandbytes.functional as F
+    packed, absmax, qs = quantized(96, 256)
+    qs.dtype = dtype
+    ref = F.dequantize_4bit(packed, qs)  # bitsandbytes' own values in `dtype`
+    out = torch.full((96, 256), float("nan"), dtype=dtype, device=DEVICE)
+    nf4.nf4_dequantize(packed, absmax, qs.code, out, block=512)  # several programs, the last one partial
+    assert torch.equal(out, ref)
+    absmax[3] *= 2  # one block's scale: exactly its 64 weights change
+    changed = nf4.nf4_dequantize(packed, absmax, qs.code, out.clone(), block=512) != ref
+    assert changed.sum() == (ref.reshape(-1)[3 * 64:4 * 64] != 0).sum() and changed.reshape(-1)[3 * 64:4 * 64].any()
+
+
+def test_dequantize_gives_bitsandbytes_values(nf4):
+    _dequantize_check(nf4, torch.float32)  # the interpreter rounds bf16 otherwise than the GPU: see the _gpu test
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="GPU only")
+def test_dequantize_gives_bitsandbytes_bf16_values_gpu(nf4):
+    _dequantize_check(nf4, torch.bfloat16)
+
+
 def test_importable_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.path.insert(0, '.');"
             "import common.nf4_matmul as m; assert not m.available()")
