@@ -186,12 +186,14 @@ def peak_gib():
 
 
 class StepClock(TrainerCallback):
+    """Each optimiser step's end time, and the row's peak memory so far at that point (GiB)."""
     def __init__(self):
-        self.times = []
+        self.times, self.peaks = [], []
 
     def on_step_end(self, args, state, control, **kwargs):
         sync()
         self.times.append(time.perf_counter())
+        self.peaks.append(round(peak_gib(), 3) if torch.cuda.is_available() else None)
 
 
 class StepProfile(TrainerCallback):
@@ -799,7 +801,7 @@ class Bench:
         judge = WatchedReward(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
                                            cfg.reward_batch_size))
         trainer = self.grpo_mod.build_trainer(cfg, self.run_dir("grpo"), self.policy, judge, prompts, self.tokenizer)
-        timing = {"rollout_s": [], "new_tokens": [], "reward_s": [], "prefill_s": []}
+        timing = {"rollout_s": [], "new_tokens": [], "reward_s": [], "prefill_s": [], "peak_after_rollout": []}
         generate = trainer._generate
         import common.generation as gen
         capture, t_start = gen._capture, []
@@ -816,6 +818,7 @@ class Bench:
             out = generate(*a, **k)
             sync()
             timing["rollout_s"].append(time.perf_counter() - t)
+            timing["peak_after_rollout"].append(round(peak_gib(), 3) if torch.cuda.is_available() else None)
             timing["new_tokens"].append(sum(len(c) for c in out[1]))
             return out
         trainer._generate = timed_generate
@@ -873,6 +876,8 @@ class Bench:
                      "reward_seconds_total": round(sum(timing["reward_s"]), 2),
                      "rollout_new_tokens_per_s": round(sum(toks) / max(sum(gens), 1e-9), 1),
                      "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),
+                     # the row's peak so far, after each rollout and at each step's end: where it is reached
+                     "peak_after_rollout_gib": timing["peak_after_rollout"], "peak_at_step_end_gib": clock.peaks,
                      "peak_gib": peak_gib()})
         judge.score = score
         gen._capture = capture
