@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-SHARED_KEYS = ("shared_input_ids", "shared_position_ids", "shared_labels", "shared_bounds", "shared_gather")
+SHARED_KEYS = ("shared_input_ids", "shared_position_ids", "shared_labels", "shared_branch", "shared_gather")
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
@@ -46,7 +46,7 @@ class SharedPromptCollator(DataCollatorForPreference):
             raise ValueError("shared_prompt needs truncation_mode keep_start")
         batch = super().torch_call(examples)
         n, ids, completion = len(examples), batch["input_ids"], batch["completion_mask"]
-        seqs, positions, labels, bounds, shifts = [], [], [], [], []
+        seqs, positions, labels, branches, shifts = [], [], [], [], []
         for b, example in enumerate(examples):
             # TRL keeps the prompt whole (its dataset drops a prompt of max_length or more) and cuts replies.
             p = len(example["prompt_ids"])
@@ -55,13 +55,13 @@ class SharedPromptCollator(DataCollatorForPreference):
             seqs.append(torch.cat([prompt, chosen, prompt[-1:], rejected]))
             positions.append(torch.cat([torch.arange(p + c), torch.arange(p - 1, p + r)]))
             labels.append(torch.cat([torch.full((p,), -100), chosen, torch.tensor([-100]), rejected]))
-            bounds.append((p - 1, p + c))  # the first branch starts at p-1, the second at p+c
+            branches.append(torch.tensor([0] * (p - 1) + [1] * (c + 1) + [2] * (r + 1)))  # prompt, chosen, rejected
             shifts.append(c + 1)  # a rejected token sits c+1 places later than in TRL's layout
         length = max(len(s) for s in seqs)
         batch["shared_input_ids"] = _pad(seqs, length, self.pad_token_id)
         batch["shared_position_ids"] = _pad(positions, length, 0)
         batch["shared_labels"] = _pad(labels, length, -100)
-        batch["shared_bounds"] = torch.tensor(bounds)
+        batch["shared_branch"] = _pad(branches, length, -1)
         # shared_gather[i, j]: where TRL's per-token value (row i, shifted position j) is in the shared
         # output flattened; chosen rows keep their positions, rejected rows move by c+1.
         cols = torch.arange(ids.shape[1] - 1)
@@ -79,31 +79,23 @@ def _pad(rows, length, value):
     return out
 
 
-def branch_rule(bounds: torch.Tensor):
-    """The attention rule as a FlexAttention mask_mod: causal, except that the second branch (from
-    bounds[b, 1]) does not see the first (bounds[b, 0] up to bounds[b, 1])."""
+def branch_mask(doc: torch.Tensor, branch: torch.Tensor, attn_implementation: str):
+    """The attention of rows of prompts and their branches (rows, L): causal, within a group (`doc`), a
+    branch (`branch` > 0) seeing its prompt (0) and itself, never a sibling; -1 marks padding, which
+    sees only the padding before it, so that no query row is empty. A FlexAttention BlockMask
+    (flex_attention, which skips the blocks the rule rules out) or the same rule as a boolean
+    (rows, 1, L, L) mask (sdpa)."""
     def rule(b, h, q, kv):
-        first, second = bounds[b, 0], bounds[b, 1]
-        return (kv <= q) & ~((q >= second) & (kv >= first) & (kv < second))
-    return rule
-
-
-def attention_mask(bounds: torch.Tensor, length: int, attn_implementation: str):
-    """The branch rule for the attention the model runs (rule_mask)."""
-    return rule_mask(branch_rule(bounds), bounds.shape[0], length, bounds.device, attn_implementation)
-
-
-def rule_mask(rule, batch: int | None, length: int, device, attn_implementation: str):
-    """A FlexAttention mask_mod `rule` as the attention the model runs: a BlockMask (flex_attention) or a
-    boolean mask (sdpa) of (batch or 1, 1, length, length). Shared with common/padding_free.py."""
+        return (kv <= q) & (doc[b, q] == doc[b, kv]) & ((branch[b, kv] <= 0) | (branch[b, kv] == branch[b, q]))
+    rows, length = doc.shape
     if attn_implementation == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
-        return create_block_mask(rule, B=batch, H=None, Q_LEN=length, KV_LEN=length, device=device)
+        return create_block_mask(rule, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=doc.device)
     if attn_implementation != "sdpa":
-        raise ValueError(f"a rule mask runs with sdpa or flex_attention, not {attn_implementation}")
-    q = torch.arange(length, device=device)
-    b = torch.arange(batch or 1, device=device)
-    return rule(b[:, None, None, None], None, q[None, None, :, None], q[None, None, None, :])
+        raise ValueError(f"a branch mask runs with sdpa or flex_attention, not {attn_implementation}")
+    q = torch.arange(length, device=doc.device)
+    return rule(torch.arange(rows, device=doc.device)[:, None, None, None], None, q[None, None, :, None],
+                q[None, None, None, :])
 
 
 def share_prompt(model, attention: str = "flex_attention") -> str:
@@ -128,9 +120,10 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
         for key in ("input_ids", "attention_mask", "position_ids"):
             kwargs.pop(key, None)
         ids = shared["shared_input_ids"]
+        branch = shared["shared_branch"]
         out = forward(input_ids=ids, position_ids=shared["shared_position_ids"],
-                      attention_mask=attention_mask(shared["shared_bounds"], ids.shape[1],
-                                                     model.config._attn_implementation),
+                      attention_mask=branch_mask(torch.where(branch >= 0, 0, -1), branch,
+                                                 model.config._attn_implementation),
                       labels=shared["shared_labels"], **kwargs)
         keep = labels[:, 1:] != -100
         for field in PER_TOKEN_FIELDS:
@@ -164,13 +157,7 @@ class Packed:
     starts: torch.Tensor         # (branches,), on the CPU: where each branch starts, groups in order, ditto
 
     def mask(self, attention: str):
-        """Causal, within a group, and a branch sees its prefix and itself only (a pad token sees the
-        padding before it, so that no query row is empty)."""
-        doc, branch = self.doc, self.branch
-
-        def rule(b, h, q, kv):
-            return (kv <= q) & (doc[b, q] == doc[b, kv]) & ((branch[b, kv] <= 0) | (branch[b, kv] == branch[b, q]))
-        return rule_mask(rule, len(self.ids), self.ids.shape[1], self.ids.device, attention)
+        return branch_mask(self.doc, self.branch, attention)
 
 
 def pack(rows: list[list[tuple[torch.Tensor, list[torch.Tensor]]]], device) -> Packed:

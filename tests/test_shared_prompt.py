@@ -11,7 +11,7 @@ from conftest import TINY, load_stage, words
 from datasets import Dataset
 
 from common.config import DPOStageConfig
-from common.shared_prompt import SHARED_KEYS, SharedPromptCollator, attention_mask
+from common.shared_prompt import SHARED_KEYS, SharedPromptCollator, branch_mask
 
 LENGTHS = [(40, 12, 25), (9, 30, 3), (70, 5, 18)]  # words of prompt, chosen, rejected
 
@@ -77,7 +77,8 @@ def _log_probs(trainer, batch):
 
 def test_the_rule_hides_the_chosen_reply_from_the_rejected_one():
     # prompt of 4 tokens (0..3), chosen 2 (first branch 3..5), rejected 2 (second branch 6..8)
-    mask = attention_mask(torch.tensor([[3, 6]]), 9, "sdpa")[0, 0]
+    branch = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2, 2]])
+    mask = branch_mask(torch.zeros_like(branch), branch, "sdpa")[0, 0]
     assert mask.tril().equal(mask)  # causal
     assert not mask[6:, 3:6].any()  # the second branch never sees the first
     assert mask[6:, :3].all() and mask[3:6, :3].all()  # both see the shared prompt
