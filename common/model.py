@@ -176,4 +176,5 @@ def precision_flags() -> dict:
     On GPUs the matmuls still run in fp32 use TF32 tensor cores: a profiled GRPO step spent 0.4 s in
     fp32 GEMMs (`sm80_xmma_gemm_f32f32`, bench/RESULTS.md), at a fraction of the tensor cores' rate."""
     on_gpu = torch.cuda.is_available()
-    return {"bf16": on_gpu, "tf32": on_gpu or None, "use_cpu": not on_gpu}
+    ampere = on_gpu and torch.cuda.get_device_capability()[0] >= 8  # TF32 exists from Ampere on
+    return {"bf16": on_gpu, "tf32": ampere or None, "use_cpu": not on_gpu}
