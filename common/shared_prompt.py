@@ -1,4 +1,4 @@
-"""Shared-prompt DPO: each preference pair as one sequence, the prompt computed once.
+"""Replies to one prompt with the prompt computed once: DPO's pairs, GRPO's update, packed rows.
 
 TRL's DPOTrainer runs a pair as two sequences, prompt + chosen and prompt + rejected, so a 19k-token
 paper goes through the 4-bit model twice (and twice more for the reference) for two 1k-token
@@ -22,9 +22,15 @@ runs the shared sequence through TRL's fused LM head and hands back each per-tok
 entropy, mean_logits, is_top1) laid out as TRL's two-sequence batch. Every DPO loss variant and every
 metric TRL computes from those fields therefore stays TRL's.
 
-Attention: flex_attention (the GPU default, `shared_prompt_attention`) gets a BlockMask, which skips
-the blocks the rule masks out; sdpa gets the same rule as a boolean (batch, 1, L, L) mask, which sends
-it to a slower masked kernel (bench/RESULTS.md) and is what the CPU runs.
+The same idea for any number of replies (`pack`, `Packed`): rows of groups, each a prefix and its
+branches, end to end. GRPO's update runs a premise with its 4 replies that way
+(`share_grpo_prompts`), and the reward model and its judge a pair's or a premise's replies
+(common/padding_free.py).
+
+Attention (`branch_mask`, one rule for all of them): causal, within a group, a branch seeing its
+prompt and itself. flex_attention (the GPU default, `shared_prompt_attention`) gets a BlockMask, which
+skips the blocks the rule masks out; sdpa gets the same rule as a boolean (rows, 1, L, L) mask, which
+sends it to a slower masked kernel (bench/RESULTS.md) and is what the CPU runs.
 """
 from __future__ import annotations
 
@@ -141,10 +147,10 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
     return attention
 
 
-# Several replies to one prompt, packed into one row ----------------------------------------------
+# Several replies to one prompt, packed into rows ------------------------------------------------
 # GRPO samples 4 replies to each premise, and a reward pair is two replies to one: their common
-# prefix is computed once, each reply a branch that continues it. The rule is a generalisation of the
-# DPO layout above to any number of branches and several groups end to end in one row (no padding).
+# prefix is computed once, each reply a branch that continues it: the DPO layout above for any number
+# of branches, several groups end to end in a row.
 
 @dataclass
 class Packed:
