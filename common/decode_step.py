@@ -29,15 +29,15 @@ from transformers.activations import ACT2FN
 
 from common import nf4_matmul
 
-# The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
-# whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
-# against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
 # How the nf4 step reads its 4-bit base weights on a GPU with Triton (common/nf4_matmul.py):
 # "triton": dequantised into the scratch buffer by a Triton kernel, then cuBLAS;
 # "bitsandbytes": the same with bitsandbytes' own dequantisation kernel (the only choice without Triton);
 # "fused": one Triton kernel that dequantises in registers and multiplies, no scratch. It is correct but
 #   slower so far: 21.1 against 12.2 ms of base matmuls a step at 64 sequences on an H200 (bench/RESULTS.md).
 NF4_KERNEL = "triton"
+# The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
+# whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
+# against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
 
