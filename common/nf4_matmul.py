@@ -1,8 +1,14 @@
-"""out = x @ W^T (+ residual) with W a bitsandbytes NF4 weight, dequantised in registers: one Triton kernel.
+"""Triton kernels over bitsandbytes NF4 weights, for GRPO's decode step (common/decode_step.py).
+
+- `nf4_dequantize`: bitsandbytes' dequantisation (bit-equal values) as one memory-bound pass, the one
+  the decode step runs: 4.9 against bitsandbytes' 7.8 ms for the 8B model's weights on an H200.
+- `nf4_linear`: out = x @ W^T (+ residual) with W dequantised in registers, never stored: one kernel.
+  Correct, but slower so far than dequantising + cuBLAS (0.66-0.75x at its best tilings,
+  bench/RESULTS.md), so the decode step does not use it unless `decode_step.NF4_KERNEL = "fused"`.
 
 For the decode step (x is M x K with M the batch of sequences, 1 to 128): bitsandbytes writes each
-weight out in bf16 and cuBLAS reads it back, three passes over 2-byte weights; here each 4-bit weight
-is read once and never stored dequantised.
+weight out in bf16 and cuBLAS reads it back, three passes over 2-byte weights; `nf4_linear` reads each
+4-bit weight once.
 
 Layout (bitsandbytes `Linear4bit`, checked against its `dequantize_4bit` in tests/test_nf4_matmul.py):
 - `packed` (uint8, N*K/2 bytes): the row-major (N, K) weight flattened, two codes a byte, the element of
