@@ -37,6 +37,11 @@ class RunError(RuntimeError):
     pass
 
 
+def processes() -> int:
+    """Processes of this launch (data parallel: each samples and trains on its own share of a step)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def is_main_process() -> bool:
     """Under a multi-process launch (accelerate launch, torchrun) only rank 0 writes the run directory."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -102,7 +107,8 @@ class Run:
                 raise RunError(f"--resume {self.dir}: that run is finished (DONE); a finished run is never modified")
             self.manifest = read_json(self.dir / "manifest.json")
             self.manifest.setdefault("resumed", []).append(
-                {"argv": argv, "at": provenance.now(), "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+                {"argv": argv, "at": provenance.now(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                 "processes": processes()})
         else:
             self.dir = create_run_dir(config.runs_dir, stage, config.run_name)
             (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
@@ -110,7 +116,7 @@ class Run:
                 "stage": stage, "run_name": self.dir.name, "argv": argv, "overrides": overrides,
                 "created": provenance.now(), "git": provenance.git_state(), "seed": config.seed,
                 "packages": provenance.versions(), "host": socket.gethostname(), "gpu": provenance.gpu(),
-                "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "wandb_run_id": None,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "processes": processes(), "wandb_run_id": None,
                 "wandb_group": config.wandb_group, "inputs": {}, "base": base,
             }
         if stage == "Pairs":

@@ -181,3 +181,28 @@ def test_unfinished_input_is_refused(pipeline, tmp_path):
     proc = run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", broken,
                      "--reward_run", pipeline["reward"], "--runs_dir", tmp_path / "runs", check=False)
     assert proc.returncode != 0 and "no DONE marker" in proc.stderr
+
+
+def test_grpo_runs_data_parallel_in_two_processes(pipeline):
+    """GRPO on two processes (torchrun; gloo on the CPU, NCCL on GPUs): each samples its own rollouts with
+    the static decoder, scores them with its judge and trains on them with the shared prompt, the LoRA
+    gradients all-reduced. One run directory, written by rank 0; a step samples twice the completions
+    of one process."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    args = ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", pipeline["sft"], "--reward_run",
+            pipeline["reward"], "--runs_dir", pipeline["runs"], "--run_name", "Two_Process_GRPO"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "04_train_grpo.py", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = pipeline["runs"] / "Two_Process_GRPO"
+    assert (run / "DONE").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
+    assert not list(pipeline["runs"].glob("Two_Process_GRPO_*"))  # one directory for both processes
+    two = json.loads((run / "manifest.json").read_text())
+    one = json.loads((pipeline["grpo"] / "manifest.json").read_text())
+    assert two["processes"] == 2 and one["processes"] == 1 and "shared_prompt" in two["patches"]
+    first_step = [json.loads((r / "metrics.json").read_text())["log_history"][0] for r in (pipeline["grpo"], run)]
+    # num_tokens counts the prompt and reply tokens of the step's completions, over all processes
+    assert first_step[1]["num_tokens"] > 1.5 * first_step[0]["num_tokens"]
