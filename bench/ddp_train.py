@@ -1,4 +1,4 @@
-"""Data-parallel (DDP) speed and memory of SFT and reward-model training, one process per GPU.
+"""Data-parallel (DDP) speed and memory of SFT, reward-model and GRPO training, one process per GPU.
 
     accelerate launch --config_file configs/accelerate/multi_gpu.yaml --num_processes 2 \
         bench/ddp_train.py --model /tmp/llama3-8b-random --out bench/out-ddp/2gpu
@@ -105,6 +105,78 @@ def random_ids(n_rows: int, length: int, seed: int, low: int = 16, high: int = 2
     return torch.randint(low, high, (n_rows, length), generator=g).tolist()
 
 
+def measure_grpo(args, world: int, rank: int) -> dict:
+    """GRPO as stage 04 builds it (`04_train_grpo.build_trainer`: static-decoder rollouts, the judge,
+    the shared-prompt update), data parallel: each rank samples, scores and trains on its share of a
+    step. The recipe's 64 completions a step are kept over all ranks (gradient accumulation divided by
+    the ranks), so the step count of 1,000 premises does not change with the GPUs. Prompts have real
+    ChangeMyView lengths (bench/cmv_lengths.json) in one repeated word, as in bench.py."""
+    import importlib.util
+    import random
+
+    from datasets import Dataset
+
+    from common.config import GRPOStageConfig
+    from common.data import fit_prompt
+    from common.model import CAUSAL_LM, SEQ_CLS, load_model, load_tokenizer
+    from common.rewards import RewardScorer
+    from common.training import train
+    from common.watch import WatchedReward
+
+    values = yaml.safe_load((REPO / "configs/llama3-8b/04_train_grpo.yaml").read_text())
+    values.update(model_name_or_path=args.model, sft_run="unused", reward_run="unused", max_steps=args.steps,
+                  save_steps=10 ** 9, logging_steps=1, report_to="none")
+    values["gradient_accumulation_steps"] = max(1, values["gradient_accumulation_steps"] // world)
+    if args.grpo_completion_len:
+        values["max_completion_length"] = args.grpo_completion_len
+    config = GRPOStageConfig(**values)
+    config.check()
+    per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * world
+    tokenizer = load_tokenizer(config)
+    tokenizer.padding_side = "left"
+    lengths = json.loads((REPO / "bench" / "cmv_lengths.json").read_text())["prompts"]
+    lengths = random.Random(4).sample(lengths, min(len(lengths), 256))
+    prompts = Dataset.from_list([{"prompt": fit_prompt(tokenizer, [{"role": "user", "content": "the" + " the" * n}],
+                                                       config.max_prompt_tokens)} for n in lengths])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    policy = load_model(config, CAUSAL_LM, tokenizer=tokenizer)
+    judge_model = load_model(config, SEQ_CLS, tokenizer=tokenizer, trainable=False)
+    judge = WatchedReward(RewardScorer(judge_model, tokenizer, config.max_prompt_tokens, 768, config.reward_batch_size))
+    spec = importlib.util.spec_from_file_location("grpo_stage", REPO / "04_train_grpo.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    run = SimpleNamespace(dir=Path(args.work) / "grpo", manifest={}, save_manifest=lambda: None)
+    trainer = stage.build_trainer(config, run, policy, judge, prompts, tokenizer)
+    trainer.args.save_strategy = SaveStrategy.NO
+    clock = StepClock()
+    trainer.add_callback(clock)
+    start = time.perf_counter()
+    metrics = train(trainer, run)
+    warm = min(args.warmup, len(clock.times) - 1)
+    t0 = clock.times[warm - 1] if warm else start
+    step_s = (clock.times[-1] - t0) / (len(clock.times) - warm)
+    mine = {"rank": rank, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else None}
+    per_rank = [mine]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, mine)
+    del trainer, policy, judge_model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"kind": "grpo", "processes": world, "global_step": metrics["global_step"],
+            "per_device_batch": config.per_device_train_batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps, "completions_per_step": per_step,
+            "max_completion_length": config.max_completion_length, "rollout_weights": config.rollout_weights,
+            "patches": run.manifest.get("patches"), "steps_timed": len(clock.times) - warm,
+            "seconds_per_step": round(step_s, 3),
+            "projected_1000_premises_min": round(step_s * 1000 * config.num_generations / per_step / 60, 2),
+            "per_rank": per_rank}
+
+
 def measure(kind: str, args, world: int, rank: int) -> dict:
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
@@ -177,7 +249,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="/tmp/llama3-8b-random")
     ap.add_argument("--out", default="bench/out-ddp")
     ap.add_argument("--work", default="/tmp/ddp_train-work", help="the trainers' output_dir (nothing is saved)")
-    ap.add_argument("--sections", default="sft,reward")
+    ap.add_argument("--sections", default="sft,reward,grpo")
+    ap.add_argument("--grpo_completion_len", type=int, default=0, help="GRPO reply tokens (0: the recipe's 256)")
     ap.add_argument("--steps", type=int, default=6, help="optimiser steps per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     ap.add_argument("--sft_len", type=int, default=768)
@@ -195,7 +268,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for kind in args.sections.split(","):
-        result = measure(kind, args, world, rank)
+        result = measure_grpo(args, world, rank) if kind == "grpo" else measure(kind, args, world, rank)
         results.append(result)
         if rank == 0:
             print(f"RESULT {json.dumps(result)}", flush=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DDP training speed and memory of SFT and the reward model on a random-init Llama 3 8B shape
+# DDP training speed and memory of SFT, the reward model and GRPO on a random-init Llama 3 8B shape
 # (4-bit NF4 + rank-64 rsLoRA, the llama3-8b recipe's batches): first on 1 GPU, then on 2 GPUs with
 # configs/accelerate/multi_gpu.yaml, through `accelerate launch` as slurm/stage.sh runs the stages.
 #
@@ -69,10 +69,17 @@ done
 import json, sys
 from pathlib import Path
 out, counts = Path(sys.argv[1]), sys.argv[2:]
-rows, base = [], {}
+rows, grpo, base = [], [], {}
 for n in counts:
     data = json.loads((out / f"{n}gpu" / "results.json").read_text())
     for r in data["results"]:
+        if r["kind"] == "grpo":
+            base.setdefault("grpo", r["seconds_per_step"])
+            peaks = " / ".join("-" if p["peak_allocated_gib"] is None else f"{p['peak_allocated_gib']:.1f}"
+                               for p in r["per_rank"])
+            grpo.append(f"| {r['processes']} | {r['completions_per_step']} | {r['seconds_per_step']:.2f} "
+                        f"| {r['projected_1000_premises_min']:.2f} | {base['grpo'] / r['seconds_per_step']:.2f}x | {peaks} |")
+            continue
         base.setdefault(r["kind"], r["tokens_per_s"])
         gib = lambda key: " / ".join("-" if p[key] is None else f"{p[key]:.1f}" for p in r["per_rank"])  # noqa: E731
         peaks, reserved = gib("peak_allocated_gib"), gib("peak_reserved_gib")
@@ -84,4 +91,8 @@ print("| training | GPUs | rows x tokens per optimiser step | tokens/s | tokens/
       "| peak allocated per GPU (GiB) | peak reserved per GPU (GiB) |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 print("\n".join(rows))
+if grpo:
+    print("\n| GRPO: GPUs | completions per step | s per step | 1,000 premises (min) | vs 1 GPU | peak allocated per GPU (GiB) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(grpo))
 EOF
