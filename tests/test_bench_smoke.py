@@ -259,3 +259,20 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     assert b.results["review_gen_best"]["batch"] in (1, 2, 4)
     text = bench.table(b.results)
     assert "review_dpo_896_ours" in text and "review_gen_b4" in text and "x faster" in text
+
+
+def test_ddp_bench_grpo_runs_in_two_processes(tiny_model, tmp_path):
+    """bench/ddp_train.py's GRPO section, as `bench/ddp_train.sh` launches it on two GPUs, on two CPU
+    processes (gloo): stage 04's trainer per rank, the recipe's 64 completions a step over both."""
+    import os
+    import subprocess
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "bench/ddp_train.py", "--model",
+         str(tiny_model), "--sections", "grpo", "--steps", "2", "--warmup", "1", "--grpo_completion_len", "8",
+         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+        cwd=REPO, env={**os.environ, "ALLOW_CPU": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert result["processes"] == 2 and result["gradient_accumulation_steps"] == 2  # the recipe's 4, halved
+    assert result["completions_per_step"] == 64 and result["global_step"] == 2
+    assert "shared_prompt" in result["patches"] and result["seconds_per_step"] > 0
