@@ -17,7 +17,7 @@ from common.config import GRPOStageConfig
 from common.data import token_ids
 from common.shared_prompt import _replies_together
 
-PROMPT_WORDS = [30, 7, 55]  # three premises of different lengths: left padding differs per row
+PROMPT_WORDS = [30, 7, 55, 12]  # premises of different lengths: left padding differs per row
 
 
 def _judge(prompts, completions, **kwargs):
@@ -36,7 +36,7 @@ def trainer(request, tiny_model, tmp_path_factory):
     from common.model import CAUSAL_LM, load_model, load_tokenizer, lora_config
     torch.manual_seed(0)
     config = GRPOStageConfig(model_name_or_path=str(TINY), sft_run="unused", reward_run="unused", report_to="none",
-                             per_device_train_batch_size=6, gradient_accumulation_steps=1, num_generations=2,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=2,
                              max_completion_length=12, gradient_checkpointing=False, lora_dropout=0.0)
     tokenizer = load_tokenizer(config)
     tokenizer.padding_side = "left"
@@ -116,6 +116,24 @@ def test_the_update_computes_each_prompt_once(trainer):
     assert seen == [(1, seen[0][1])]  # one packed row
     # each of the 3 prompts once, each reply once plus its copy of the prompt's last token
     assert seen[0][1] == prompt_tokens // 2 - 3 + int(mask[:, -12:].sum()) + 6
+
+
+def test_the_trainer_cuts_its_generation_batch_into_whole_premises(trainer):
+    """Through TRL's own _prepare_inputs (rollout, judge, shuffle, split): every micro-batch holds whole
+    premises, each premise's replies side by side."""
+    import itertools
+    trainer.model.train()
+    trainer._step, trainer._buffered_inputs = 0, None
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    batches = trainer._buffered_inputs
+    assert len(batches) == 2 and all(len(b["prompt_ids"]) == 4 for b in batches)
+    seen = []
+    for batch in batches:
+        prompts = [tuple(row[keep.bool()].tolist()) for row, keep in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        groups = [len(list(g)) for _, g in itertools.groupby(prompts)]
+        assert groups == [2, 2], groups  # num_generations replies to each premise, next to each other
+        seen += prompts
+    assert len(set(seen)) == 4  # every premise of the generation batch, once
 
 
 def test_a_shuffled_generation_batch_is_put_back_together_by_premise():
