@@ -100,6 +100,26 @@ class StepClock(TrainerCallback):
         self.times.append(time.perf_counter())
 
 
+def gather_memory(world: int, rank: int, **extra) -> list[dict]:
+    """Every rank's device and peak memory (GiB), gathered on each rank."""
+    cuda = torch.cuda.is_available()
+    mine = {"rank": rank, "device": torch.cuda.get_device_name() if cuda else "cpu", **extra,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None}
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [mine]
+    per_rank = [None] * world
+    torch.distributed.all_gather_object(per_rank, mine)
+    return per_rank
+
+
+def free_memory() -> None:
+    """After a section: the next one loads its own 4-bit base."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def random_ids(n_rows: int, length: int, seed: int, low: int = 16, high: int = 2000) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (n_rows, length), generator=g).tolist()
@@ -156,17 +176,9 @@ def measure_grpo(args, world: int, rank: int) -> dict:
     warm = min(args.warmup, len(clock.times) - 1)
     t0 = clock.times[warm - 1] if warm else start
     step_s = (clock.times[-1] - t0) / (len(clock.times) - warm)
-    mine = {"rank": rank, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else None}
-    per_rank = [mine]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        per_rank = [None] * world
-        torch.distributed.all_gather_object(per_rank, mine)
+    per_rank = gather_memory(world, rank)
     del trainer, policy, judge_model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     return {"kind": "grpo", "processes": world, "global_step": metrics["global_step"],
             "per_device_batch": config.per_device_train_batch_size,
             "gradient_accumulation_steps": config.gradient_accumulation_steps, "completions_per_step": per_step,
@@ -222,18 +234,9 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     seconds = clock.times[-1] - t0
     timed_steps = len(clock.times) - warm
     tokens = timed_steps * per_step * world * tokens_per_row
-    mine = {"rank": rank, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "base_loaded_gib": loaded_gib,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else None}
-    per_rank = [mine]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        per_rank = [None] * world
-        torch.distributed.all_gather_object(per_rank, mine)
+    per_rank = gather_memory(world, rank, base_loaded_gib=loaded_gib)
     del trainer, model
-    gc.collect()  # the next section loads its own 4-bit base
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     return {"kind": kind, "processes": world, "global_step": metrics["global_step"],
             "per_device_batch": config.per_device_train_batch_size,
             "gradient_accumulation_steps": config.gradient_accumulation_steps,
