@@ -8,7 +8,7 @@
 Pairs: the train split of the pairs run the SFT run was trained on (the first `max_pairs`). A row
 that carries a `rejected` reply (ChangeMyView: winner vs loser, length-balanced by stage 01) is used
 as it is. A row without one (review: `chosen` is the real structured review) gets a rejected reply
-made here, greedily, by the model `rejected_from` names: `base` (the same 4-bit model with the
+made here (greedy, or as the decoding fields say, as in stage 05) by the model `rejected_from` names: `base` (the same 4-bit model with the
 adapter switched off) or `sft` (the SFT adapter on). Those replies are kept in rejected.jsonl with
 the model that made them (a resumed run reads them back instead of generating again). Prompts are
 cut to `max_prompt_tokens` (for a paper: its head, the first window), replies at a sentence end so
@@ -37,7 +37,7 @@ from common import patches
 from common.cli import cli
 from common.config import DPOStageConfig
 from common.data import DataError, fit_prompt, fit_reply, load_split, read_jsonl, write_jsonl
-from common.generation import generate_replies
+from common.generation import decoder_for, generate_replies
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.runs import Run
 from common.shared_prompt import SharedPromptCollator, share_prompt
@@ -65,7 +65,7 @@ def rejected_replies(run, config: DPOStageConfig, model, tokenizer, rows, prompt
         # base: the same 4-bit weights with every LoRA layer switched off; sft: the adapter on.
         with model.disable_adapter() if config.rejected_from == "base" else contextlib.nullcontext():
             texts = generate_replies(model, tokenizer, [prompts[i] for i in todo], config.max_new_tokens,
-                                     config.generation_batch_size)
+                                     config.generation_batch_size, **config.decoding())
         tokenizer.padding_side = "right"  # generation pads on the left; training on the right
         if run.is_main:  # written whole, then renamed: a crash never leaves half a file
             made_by = {"model": config.rejected_from, "sft_run": str(Path(config.sft_run).resolve())}
@@ -133,6 +133,8 @@ def main(config: DPOStageConfig, overrides: dict) -> None:
     rejected = rejected_replies(run, config, model, tokenizer, rows, prompts)
     n_generated = sum(text is not None for text in rejected)
     run.manifest["rejected_from"] = config.rejected_from if n_generated else "pairs_run"
+    if n_generated:
+        run.manifest["decoder"] = {"backend": decoder_for(model, config.no_repeat_ngram_size), **config.decoding()}
     run.save_manifest()
     dataset = preference_dataset(rows, prompts, rejected, tokenizer, config)
     log.info("%s on %d pairs (%d rejected replies generated)", config.stage, len(dataset), n_generated)

@@ -6,8 +6,11 @@
         --sft_run runs/Dec01_SFT_Run2 --policy_runs runs/Dec01_DPO_Run1
 
 For each premise of the held-out split (one per original post or paper), every model writes a
-greedy reply to the prompt cut to `max_prompt_tokens` (for a paper: its head, the first window;
-report.md says so). Replies are compared with the real ones (BLEU-4, ROUGE-1/2/L; against every
+reply to the prompt cut to `max_prompt_tokens` (for a paper: its head, the first window; report.md
+says so): greedy, or as the decoding fields say (`repetition_penalty`, `no_repeat_ngram_size`,
+`temperature` with `seed`). A review without a parseable rating still gets the model's own: its
+next-token distribution over the scale after the review and the rating header (common/readout.py;
+`reading: all_windows` reads it on every window of the paper and averages). Replies are compared with the real ones (BLEU-4, ROUGE-1/2/L; against every
 real review of a paper). With a `--reward_run`, the stage-03 judge scores every reply, and each
 adapter's win rate against the base comes with a 95% bootstrap interval, and so does its
 length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval). With
@@ -21,7 +24,9 @@ and a readable report.md.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from pathlib import Path
 
 from transformers import set_seed
@@ -29,10 +34,11 @@ from transformers import set_seed
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
-from common.generation import generate_replies
+from common.generation import decoder_for, generate_replies
 from common.judges import describe_judges, gain_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, write_report
 from common.rewards import RewardScorer
 from common.runs import Run
@@ -69,26 +75,34 @@ def main(config: EvalConfig, overrides: dict) -> None:
         {r["group_id"] for r in load_split(config.pairs_run, "train")} if config.judge_runs else set(),
         {name: load_run_config(path) for name, path in judge_runs.items()})
 
-    # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base.
-    replies = {}
+    # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base. Review:
+    #    each model's own rating is also read after its review (common/readout.py), so that a review
+    #    that never wrote one still has a rating; reading all_windows reads it on every window too.
+    replies, readouts, speed = {}, {}, {}
     names = list(adapters)
     model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
                        adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
     for name in names[1:]:
         model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
-    gen = dict(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
-               repetition_penalty=config.repetition_penalty)
-    with model.disable_adapter():
-        replies["base"] = generate_replies(model, tokenizer, prompts, **gen)
-    for name in names:
-        model.set_adapter(name)
-        replies[name] = generate_replies(model, tokenizer, prompts, **gen)
+    run.manifest["decoder"] = {"backend": decoder_for(model, config.no_repeat_ngram_size), **config.decoding()}
+    windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
+        if task.READOUT_SCALE and config.reading == "all_windows" else None
+    for name in (["base"] if config.evaluate_base else []) + names:
+        if name != "base":
+            model.set_adapter(name)
+        with model.disable_adapter() if name == "base" else contextlib.nullcontext():
+            started = time.perf_counter()
+            replies[name] = generate_replies(model, tokenizer, prompts, config.max_new_tokens, config.batch_size,
+                                             **config.decoding())
+            speed[name] = generation_speed(tokenizer, replies[name], time.perf_counter() - started)
+            if task.READOUT_SCALE:
+                readouts[name] = rating_readouts(model, tokenizer, task, prompts, replies[name], windows)
     del model
 
     # 4. Score: overlap with the real replies; the judge (when given): reward, win rates against the
     #    base (plain and length-controlled); the task's own metrics (review: ratings, baselines).
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
-    results = {name: {"n": len(texts), **text_metrics(texts, references),
+    results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
                       "reply_words_mean": sum(words[name]) / max(1, len(texts))} for name, texts in replies.items()}
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     for name, path in judge_runs.items():  # one judge in memory at a time
@@ -109,7 +123,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     run.manifest["judges"] = {name: read_json(Path(path) / "manifest.json").get("judge")
                               for name, path in judge_runs.items()}
     run.save_manifest()
-    task_report = task.evaluate(premises, replies, results, config.pairs_run)
+    task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed)
     for name in results:
         log.info("%s: %s", name, results[name])
 
@@ -127,10 +141,28 @@ def main(config: EvalConfig, overrides: dict) -> None:
                                           if config.judge_runs else [])
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,
-                          reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})")
+                          reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})" +
+                          ("; the rating is also read on every window" if windows else ""),
+                          decoding=describe_decoding(config))
     run.finish({"models": results, **task_report["baselines"], **judge_info, "n_premises": len(premises),
                 "report": str(report)})
     print(f"report: {report.resolve()}")
+
+
+def describe_decoding(config: EvalConfig) -> str:
+    """The decoding in words, for the report."""
+    parts = ["greedy" if config.temperature == 0 else f"sampled (temperature {config.temperature:g}, seed {config.seed})"]
+    if config.repetition_penalty != 1:
+        parts.append(f"repetition penalty {config.repetition_penalty:g}")
+    if config.no_repeat_ngram_size:
+        parts.append(f"no repeated {config.no_repeat_ngram_size}-gram")
+    return ", ".join(parts)
+
+
+def generation_speed(tokenizer, texts: list[str], seconds: float) -> dict:
+    """Wall time of one model's generation and its new tokens a second (the replies re-tokenised)."""
+    n = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    return {"seconds": round(seconds, 2), "new_tokens": n, "new_tokens_per_s": round(n / max(seconds, 1e-9), 1)}
 
 
 def model_adapters(run) -> dict[str, Path]:

@@ -207,6 +207,24 @@ class LongInputArgs:
 
 
 @dataclass
+class DecodingArgs:
+    """How a frozen model writes a reply: stage 05's replies and 04_train_dpo's rejected reviews."""
+    repetition_penalty: float = arg(1.0, "repetition penalty on every token already in the prompt or reply (1: none)",
+                                    gt=0)
+    no_repeat_ngram_size: int = arg(0, "> 0: no n-gram of this size appears twice in prompt + reply (transformers' "
+                                    "rule; decodes with HF generate)", ge=0)
+    temperature: float = arg(0.0, "0: greedy; > 0: sampled at this temperature, seeded by `seed`", ge=0)
+    generation_weights: Literal["nf4", "bf16"] = arg(
+        "bf16", "the static decoder's base weights: bf16 copies of the frozen 4-bit base made once (about 2 bytes "
+        "a weight more, freed after generating), or nf4: dequantised at every token. Same tokens "
+        "(common/decode_step.py)")
+
+    def decoding(self) -> dict:
+        return {"repetition_penalty": self.repetition_penalty, "no_repeat_ngram_size": self.no_repeat_ngram_size,
+                "temperature": self.temperature, "weights": self.generation_weights, "seed": self.seed}
+
+
+@dataclass
 class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArgs):
     """Stage 02: supervised fine-tuning on the winners (CMV) or the structured reviews (review)."""
     STAGE: ClassVar[str] = "SFT"
@@ -296,7 +314,7 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, SharedPromptArgs):
 
 
 @dataclass
-class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, SharedPromptArgs):
+class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, SharedPromptArgs, DecodingArgs):
     """Stage 04 (preference): DPO or ORPO from the SFT adapter, on either task."""
     STAGE: ClassVar[str] = "DPO"  # ORPO runs are named ..._ORPO_RunN
 
@@ -325,7 +343,7 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, SharedPromp
 
 
 @dataclass
-class EvalConfig(RunArgs, ModelArgs):
+class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     """Stage 05: held-out premises, every model, every metric."""
     STAGE: ClassVar[str] = "Eval"
 
@@ -341,11 +359,21 @@ class EvalConfig(RunArgs, ModelArgs):
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
     max_new_tokens: int = arg(256, "tokens per greedy reply", ge=1)
     batch_size: int = arg(8, "premises generated and scored at once", ge=1)
-    repetition_penalty: float = arg(1.0, "greedy decoding's repetition penalty (1: none)", gt=0)
+    evaluate_base: bool = arg(True, "also score the base model (adapters off); judges compare every model with it")
+    reading: Literal["first_window", "all_windows"] = arg(
+        "first_window", "review task: the review is written from the paper's first window; all_windows also reads "
+        "the model's rating on every window of max_prompt_tokens and averages it (docs/review.md)")
+    window_overlap: int = arg(256, "reading all_windows: tokens two neighbouring windows share", ge=0)
     n_report_samples: int = arg(5, "premises shown with every model's reply in report.md", ge=0)
 
     def check(self):
         require(self, "pairs_run")
+        if self.reading == "all_windows" and self.window_overlap >= self.max_prompt_tokens:
+            raise ConfigError(f"window_overlap ({self.window_overlap}) must be below max_prompt_tokens "
+                              f"({self.max_prompt_tokens})", "window_overlap")
+        if not self.evaluate_base and (self.reward_run or self.judge_runs):
+            raise ConfigError("evaluate_base false: judges score every model against the base, so it needs no "
+                              "--reward_run or --judge_runs", "evaluate_base")
         judges = [Path(p).resolve() for p in ([self.reward_run] if self.reward_run else []) + self.judge_runs]
         if len({p.name for p in judges}) < len(judges):
             raise ConfigError("field 'judge_runs': every judge (--reward_run and --judge_runs) must be a different "

@@ -24,29 +24,51 @@ GRAPH_FAILURES: list[str] = []  # why a capture fell back to eager steps (the be
 
 @torch.no_grad()
 def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
-                     repetition_penalty: float = 1.0) -> list[str]:
-    """Greedy replies (reproducible), left-padded batches, special tokens stripped."""
+                     repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, temperature: float = 0.0,
+                     weights: str = "nf4", seed: int | None = None) -> list[str]:
+    """Replies of a frozen model: greedy at temperature 0 (reproducible), else sampled from `seed`;
+    left-padded batches, special tokens stripped. `weights` "bf16": the static decoder reads bf16
+    copies of the 4-bit base, made once and freed at the end, instead of dequantising every weight at
+    every token. The decoder that runs is `decoder_for(model, no_repeat_ngram_size)`."""
     tokenizer.padding_side = "left"
     model.eval()
-    if supports_fast_decode(model):
+    if seed is not None:
+        torch.manual_seed(seed)
+    if decoder_for(model, no_repeat_ngram_size) == "static":
         ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
         new = []
         for start in range(0, len(ids), batch_size):
             new += decode(model, ids[start:start + batch_size], max_new_tokens, eos_ids(model, tokenizer),
-                          tokenizer.pad_token_id, temperature=0.0, repetition_penalty=repetition_penalty)
+                          tokenizer.pad_token_id, temperature=temperature, repetition_penalty=repetition_penalty,
+                          weights=weights)
+        release_dense_base(model)
         return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
     device = next(model.parameters()).device
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     replies = []
     for start in range(0, len(prompts), batch_size):
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
                  for p in prompts[start:start + batch_size]]
         # The template already holds the BOS token: add no second one.
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             repetition_penalty=repetition_penalty, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
+                             no_repeat_ngram_size=no_repeat_ngram_size, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=eos_ids(model, tokenizer), **sampling)
         new = out[:, batch["input_ids"].shape[1]:]
         replies.extend(t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True))
     return replies
+
+
+def decoder_for(model, no_repeat_ngram_size: int = 0) -> str:
+    """"static" (`decode`, Llama-family models) or "hf_generate" (other models, and n-gram blocking,
+    which the static decoder does not do)."""
+    return "static" if supports_fast_decode(model) and not no_repeat_ngram_size else "hf_generate"
+
+
+def release_dense_base(model) -> None:
+    """Free the bf16 copies of the base that `weights="bf16"` decoding made (a training stage needs the room)."""
+    model.__dict__.pop("_dense_base", None)
 
 
 def supports_fast_decode(model) -> bool:

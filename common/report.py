@@ -113,12 +113,12 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
 
 def write_report(path: Path, run_name: str, results: dict, premises: list[dict], replies: dict, rewards: dict,
                  n_samples: int, plots: dict | None = None, judge_verdict: str | None = None,
-                 sections: list[str] | None = None, reading: str = "the prompt") -> Path:
+                 sections: list[str] | None = None, reading: str = "the prompt", decoding: str = "greedy") -> Path:
     """report.md: the metrics table (judge columns only with a judge), the task's own sections, the
     judge's audit verdict, the plots, and sample replies side by side with the real one."""
     names = list(results)
     lines = [f"# Evaluation {run_name}", "",
-             f"{len(premises)} held-out premises; greedy replies to {reading}; BLEU-4 and ROUGE against the "
+             f"{len(premises)} held-out premises; {decoding} replies to {reading}; BLEU-4 and ROUGE against the "
              "real replies (every real reply of a premise is a reference)."]
     if rewards:
         lines += ["Reward = the stage-03 judge's score; win rate = share of premises where the judge prefers "

@@ -181,6 +181,7 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
 
 PAIRWISE = True  # a row is a winner and a loser: stage 01 balances them for length
 READING = "a post's title and first words (premise_words)"
+READOUT_SCALE = None  # a reply has no rating to read out
 
 
 def rows_from(row, where: str, config) -> list[dict] | str:
@@ -208,6 +209,6 @@ def references(row: dict) -> list[str]:
     return [row["chosen"]]
 
 
-def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run) -> dict:
+def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run, readouts=None, seed: int = 42) -> dict:
     """Stage 05: CMV's metrics are the shared ones (overlap, and the judge's); nothing to add."""
     return {"baselines": {}, "per_reply": {}, "sections": [], "plots": lambda out_dir: {}}

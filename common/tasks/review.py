@@ -336,25 +336,56 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
     ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
     spans = windows(len(ids), budget, config.window_overlap) if config.input_strategy == "sliding_window" \
         else [(0, min(len(ids), budget))]
-    examples = []
+    prompts = _window_prompts(tokenizer, ids, spans, lambda prompt: prompt_length(tokenizer, prompt) + n_target +
+                              template_closing_tokens(tokenizer, prompt) + 1 - config.max_length)
+    return [{"prompt": prompt, "completion": completion} for prompt in prompts]
+
+
+def _window_prompts(tokenizer, ids: list[int], spans, excess_of) -> list[list[dict]]:
+    """One prompt per span of the paper's tokens, each within budget (`excess_of(prompt) <= 0`).
+    Decoding and re-encoding a window can merge tokens differently: a window is shrunk until it fits,
+    on the side its neighbour covers (the last window keeps the paper's end)."""
+    prompts = []
     for start, end in spans:
-        # Decoding and re-encoding a window can merge tokens differently: shrink it until it fits, on
-        # the side its neighbour covers (the last window keeps the paper's end).
         while True:
             prompt = prompt_for(tokenizer.decode(ids[start:end]))
-            excess = prompt_length(tokenizer, prompt) + n_target + \
-                template_closing_tokens(tokenizer, prompt) + 1 - config.max_length
+            excess = excess_of(prompt)
             if excess <= 0 or end - start <= 1:
                 break
             if end == len(ids):
                 start += excess
             else:
                 end -= excess
-        examples.append({"prompt": prompt, "completion": completion})
-    return examples
+        prompts.append(prompt)
+    return prompts
 
 
-READING = "for a paper, its first window: the rest of a long paper is not seen at generation"
+def reading_windows(row: dict, tokenizer, max_prompt_tokens: int, overlap: int) -> list[list[dict]]:
+    """Stage 05, reading all_windows: the paper as prompts of at most `max_prompt_tokens` templated
+    tokens, windows covering every token with `overlap` tokens shared by neighbours."""
+    from common.data import prompt_length
+    budget = max_prompt_tokens - prompt_length(tokenizer, prompt_for(""))
+    if budget <= overlap:
+        raise DataError(f"max_prompt_tokens={max_prompt_tokens} leaves {budget} tokens of paper a window, not more "
+                        f"than window_overlap={overlap}: lower window_overlap or raise max_prompt_tokens")
+    ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
+    return _window_prompts(tokenizer, ids, windows(len(ids), budget, overlap),
+                           lambda prompt: prompt_length(tokenizer, prompt) - max_prompt_tokens)
+
+
+READING = "for a paper, its first window: the rest of a long paper is not seen while writing"
+# A review without a parseable rating gets the model's own (common/readout.py): the review so far, then
+# this header, and the model's next token over the scale.
+RATING_HEADER = "### Rating\nOverall Quality:"
+READOUT_SCALE = SCALES["overall"]
+_RATING_SECTION = re.compile(r"^[ \t#*_]*rating\b|overall\s+quality", _IM)
+
+
+def readout_turn(reply: str) -> str:
+    """The assistant's turn the rating is read after: the review up to its rating section (all of it
+    when it has none), then RATING_HEADER."""
+    cut = _RATING_SECTION.search(reply)
+    return f"{(reply[:cut.start()] if cut else reply).rstrip()}\n{RATING_HEADER}"
 
 
 def references(row: dict) -> list[str]:
@@ -362,39 +393,87 @@ def references(row: dict) -> list[str]:
     return row["references"]
 
 
-def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, pairs_run) -> dict:
-    """Stage 05's review metrics. Into each model's results: the rating parsed from each generated
-    review against the paper's mean human rating (MAE, RMSE, Pearson) over the parseable ones, the
-    format compliance rate, and the ids of the unparseable (counted and listed, never dropped
-    silently). Beside them: a constant predictor (the train split's mean rating) and one more human
-    reviewer (each reviewer against the mean of the paper's others)."""
+def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, pairs_run,
+             readouts: dict | None = None, seed: int = 42) -> dict:
+    """Stage 05's review metrics, each against the paper's mean human rating, with 95% bootstrap
+    intervals (over papers). Into each model's results:
+    - the rating parsed from each generated review (MAE, RMSE, Pearson over the parseable ones), the
+      format compliance rate and the ids of the unparsed (listed, never dropped silently);
+    - with `readouts` (common/readout.py, per model and paper: `first_window`, and `all_windows` when
+      read): `all_papers`, every paper's rating, the parsed one where there is one (never replaced)
+      and the read-out one elsewhere (`rating_source` per reply); and `readout_first_window` /
+      `readout_all_windows`, the read-out alone on every paper, so the two readings compare on the
+      same papers.
+    Beside them: a constant predictor (the train split's mean rating) and one more human reviewer
+    (each reviewer against the mean of the paper's others)."""
     gold = [float(np.mean(r["human_ratings"])) for r in premises]
+    readouts = readouts or {}
     per_reply, pairs = {}, {}
     for name, texts in replies.items():
-        parsed = [parse_review(t) for t in texts]
-        ok = [i for i, p in enumerate(parsed) if p["overall"] is not None]
-        rated = rating_metrics([parsed[i]["overall"] for i in ok], [gold[i] for i in ok])
+        parsed = [parse_review(t)["overall"] for t in texts]
+        ok = [i for i, p in enumerate(parsed) if p is not None]
+        rated = rating_metrics([parsed[i] for i in ok], [gold[i] for i in ok], seed)
         rated["n_rated"] = rated.pop("n")  # the model's `n` stays the number of replies
         results[name].update(
             format_compliance=len(ok) / len(texts) if texts else None,
-            unparsed=[premises[i]["id"] for i in range(len(texts)) if parsed[i]["overall"] is None], **rated)
-        per_reply[name] = [{"rating": p["overall"], "confidence": p["confidence"], "human_rating": g}
-                           for p, g in zip(parsed, gold)]
-        pairs[name] = [(parsed[i]["overall"], gold[i]) for i in ok]
+            unparsed=[premises[i]["id"] for i in range(len(texts)) if parsed[i] is None], **rated)
+        per_reply[name] = [{"rating": p, "rating_source": "parsed" if p is not None else None,
+                            "confidence": parse_review(t)["confidence"], "human_rating": g}
+                           for p, t, g in zip(parsed, texts, gold)]
+        pairs[name] = [(parsed[i], gold[i]) for i in ok]
+        if name in readouts:
+            read = readouts[name]
+            reading = "all_windows" if read and read[0].get("all_windows") else "first_window"
+            final = [p if p is not None else r[reading]["expected"] for p, r in zip(parsed, read)]
+            results[name]["all_papers"] = {**rating_metrics(final, gold, seed), "reading": reading,
+                                           "n_readout": len(texts) - len(ok)}
+            for way in ("first_window", "all_windows"):
+                if read and read[0].get(way):
+                    results[name][f"readout_{way}"] = rating_metrics([r[way]["expected"] for r in read], gold, seed)
+            for row, value, r in zip(per_reply[name], final, read):
+                row.update(rating=value, rating_source=row["rating_source"] or "readout", readout=r)
+            pairs[name] = list(zip(final, gold))
     train_mean = float(np.mean([r["rating"] for r in load_split(pairs_run, "train")]))
-    baselines = {"baseline_constant": {**baseline_constant(train_mean, gold), "train_mean": train_mean},
-                 "baseline_human": baseline_human([r["human_ratings"] for r in premises])}
-    rows = ["", "## Ratings", "", "Rating parsed from each generated review (`Overall Quality: <n>`) against the mean "
-            "rating of the paper's reviewers; format compliance = share of reviews whose rating parses.", "",
-            "| predictor | rating MAE | rating RMSE | Pearson r | n rated | format compliance |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, r in [*((n, results[n]) for n in replies), *baselines.items()]:
-        rows.append(f"| {name} | {_f(r['rating_mae'])} | {_f(r['rating_rmse'])} | {_f(r['rating_pearson'])} | "
-                    f"{r.get('n_rated', r['n'])} | {_f(r.get('format_compliance'))} |")
+    baselines = {"baseline_constant": {**baseline_constant(train_mean, gold, seed), "train_mean": train_mean},
+                 "baseline_human": baseline_human([r["human_ratings"] for r in premises], seed)}
+    return {"baselines": baselines, "per_reply": per_reply, "sections": _rating_rows(replies, results, baselines),
+            "plots": lambda out_dir: _plots(out_dir, pairs)}
 
-    def plots(out_dir):
-        from common.report import plot_ratings
-        return plot_ratings(out_dir, pairs)
-    return {"baselines": baselines, "per_reply": per_reply, "sections": rows, "plots": plots}
+
+def _plots(out_dir, pairs):
+    from common.report import plot_ratings
+    return plot_ratings(out_dir, pairs)
+
+
+def _rating_rows(replies, results, baselines) -> list[str]:
+    rows = ["", "## Ratings", "", "Against the mean rating of the paper's reviewers, 95% bootstrap intervals over papers. "
+            "*Parsed*: the rating written in the review (`Overall Quality: <n>`), on the reviews where it parses "
+            "(format compliance = their share). *All papers*: the parsed rating where there is one, else the "
+            "model's own rating read from its next-token distribution after the review and the rating header "
+            "(expected value; `rating_source` in replies.jsonl).", "",
+            "| predictor | format compliance | parsed: MAE | RMSE | Pearson r | n | all papers: MAE | RMSE "
+            "| Pearson r | n (read out) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in [*((n, results[n]) for n in replies), *baselines.items()]:
+        every = r.get("all_papers") or {}
+        counted = f"{every['n']} ({every['n_readout']})" if every else ""
+        rows.append(f"| {name} | {_f(r.get('format_compliance'))} | {_ci(r, 'rating_mae')} | {_ci(r, 'rating_rmse')} | "
+                    f"{_ci(r, 'rating_pearson')} | {r.get('n_rated', r['n'])} | {_ci(every, 'rating_mae')} | "
+                    f"{_ci(every, 'rating_rmse')} | {_ci(every, 'rating_pearson')} | "
+                    f"{counted} |")
+    reads = [(n, results[n]) for n in replies if "readout_all_windows" in results[n]]
+    if reads:
+        rows += ["", "The read-out rating alone on every paper: from the first window (the one the review was "
+                 "written from) and averaged over every window of the paper.", "",
+                 "| model | first window: MAE | Pearson r | all windows: MAE | Pearson r |", "| --- | --- | --- | --- | --- |"]
+        rows += [f"| {n} | {_ci(r['readout_first_window'], 'rating_mae')} | {_ci(r['readout_first_window'], 'rating_pearson')}"
+                 f" | {_ci(r['readout_all_windows'], 'rating_mae')} | {_ci(r['readout_all_windows'], 'rating_pearson')} |"
+                 for n, r in reads]
+    return rows
+
+
+def _ci(r: dict, key: str) -> str:
+    value, ci = r.get(key), r.get(f"{key}_ci")
+    return _f(value) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if value is not None and ci else "")
 
 
 def _f(value) -> str:
@@ -422,27 +501,41 @@ def windows(n_tokens: int, window_tokens: int, overlap: int) -> list[tuple[int, 
 
 # --- rating metrics ------------------------------------------------------------------------------
 
-def rating_metrics(pred, gold) -> dict:
+def rating_metrics(pred, gold, seed: int | None = None, n_boot: int = 1000) -> dict:
     """MAE, RMSE and Pearson r of predicted vs gold ratings; r is None when undefined (n < 2 or a
-    constant side), everything but n is None when n == 0."""
+    constant side), everything but n is None when n == 0. With a `seed`: each with its 95% bootstrap
+    interval (`<key>_ci`, percentiles over `n_boot` resamples of the pairs)."""
     p, g = np.asarray(pred, float), np.asarray(gold, float)
     if p.shape != g.shape or p.ndim != 1:
         raise ValueError(f"pred and gold must be equally long lists, got {p.shape} and {g.shape}")
     if not len(p):
         return {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "n": 0}
+    out = {**_point(p, g), "n": len(p)}
+    if seed is not None and len(p) >= 2:
+        idx = np.random.default_rng(seed).integers(0, len(p), (n_boot, len(p)))
+        draws = [_point(p[i], g[i]) for i in idx]
+        for key in ("rating_mae", "rating_rmse", "rating_pearson"):
+            values = [d[key] for d in draws if d[key] is not None]
+            if out[key] is not None and len(values) >= n_boot // 2:
+                out[f"{key}_ci"] = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+    return out
+
+
+def _point(p: np.ndarray, g: np.ndarray) -> dict:
     defined = len(p) >= 2 and np.ptp(p) > 0 and np.ptp(g) > 0
     return {"rating_mae": float(np.abs(p - g).mean()), "rating_rmse": float(np.sqrt(((p - g) ** 2).mean())),
-            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None, "n": len(p)}
+            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None}
 
 
-def baseline_constant(train_mean: float, gold) -> dict:
+def baseline_constant(train_mean: float, gold, seed: int | None = None) -> dict:
     """A predictor that always says the training split's mean rating."""
-    return rating_metrics([float(train_mean)] * len(gold), gold)
+    return rating_metrics([float(train_mean)] * len(gold), gold, seed)
 
 
-def baseline_human(human_ratings_per_paper) -> dict:
+def baseline_human(human_ratings_per_paper, seed: int | None = None) -> dict:
     """One more human reviewer: each reviewer's rating against the mean of the same paper's other
-    reviewers (leave-one-out), over all reviewers of papers with at least two; plus `n_papers`."""
+    reviewers (leave-one-out), over all reviewers of papers with at least two; plus `n_papers`.
+    Intervals resample the (reviewer, others) pairs."""
     pred, gold, papers = [], [], 0
     for ratings in human_ratings_per_paper:
         if len(ratings) < 2:
@@ -451,4 +544,4 @@ def baseline_human(human_ratings_per_paper) -> dict:
         for i, r in enumerate(ratings):
             pred.append(float(r))
             gold.append((sum(ratings) - r) / (len(ratings) - 1))
-    return {**rating_metrics(pred, gold), "n_papers": papers}
+    return {**rating_metrics(pred, gold, seed), "n_papers": papers}
