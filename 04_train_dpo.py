@@ -134,7 +134,7 @@ def main(config: DPOStageConfig, overrides: dict) -> None:
     n_generated = sum(text is not None for text in rejected)
     run.manifest["rejected_from"] = config.rejected_from if n_generated else "pairs_run"
     if n_generated:
-        run.manifest["decoder"] = {"backend": decoder_for(model, config.no_repeat_ngram_size), **config.decoding()}
+        run.manifest["decoder"] = {"backend": decoder_for(model), **config.decoding()}
     run.save_manifest()
     dataset = preference_dataset(rows, prompts, rejected, tokenizer, config)
     log.info("%s on %d pairs (%d rejected replies generated)", config.stage, len(dataset), n_generated)

@@ -84,7 +84,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
                        adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
     for name in names[1:]:
         model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
-    run.manifest["decoder"] = {"backend": decoder_for(model, config.no_repeat_ngram_size), **config.decoding()}
+    run.manifest["decoder"] = {"backend": decoder_for(model), **config.decoding()}
     windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
         if task.READOUT_SCALE and config.reading == "all_windows" else None
     for name in (["base"] if config.evaluate_base else []) + names:

@@ -211,13 +211,18 @@ class DecodingArgs:
     """How a frozen model writes a reply: stage 05's replies and 04_train_dpo's rejected reviews."""
     repetition_penalty: float = arg(1.0, "repetition penalty on every token already in the prompt or reply (1: none)",
                                     gt=0)
-    no_repeat_ngram_size: int = arg(0, "> 0: no n-gram of this size appears twice in prompt + reply (transformers' "
-                                    "rule; decodes with HF generate)", ge=0)
+    no_repeat_ngram_size: int = arg(0, "> 0: no n-gram of this size appears twice in a reply (the prompt's do not "
+                                    "count: a review may quote its paper)", ge=0)
     temperature: float = arg(0.0, "0: greedy; > 0: sampled at this temperature, seeded by `seed`", ge=0)
     generation_weights: Literal["nf4", "bf16"] = arg(
         "bf16", "the static decoder's base weights: bf16 copies of the frozen 4-bit base made once (about 2 bytes "
         "a weight more, freed after generating), or nf4: dequantised at every token. Same tokens "
         "(common/decode_step.py)")
+
+    def check(self):
+        if self.no_repeat_ngram_size == 1:
+            raise ConfigError("field 'no_repeat_ngram_size' must be 0 (off) or at least 2: 1 would ban every token "
+                              "already written", "no_repeat_ngram_size")
 
     def decoding(self) -> dict:
         return {"repetition_penalty": self.repetition_penalty, "no_repeat_ngram_size": self.no_repeat_ngram_size,

@@ -13,6 +13,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from common.data import token_ids
 from common.decode_step import DecodeStep
@@ -29,18 +30,19 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     """Replies of a frozen model: greedy at temperature 0 (reproducible), else sampled from `seed`;
     left-padded batches, special tokens stripped. `weights` "bf16": the static decoder reads bf16
     copies of the 4-bit base, made once and freed at the end, instead of dequantising every weight at
-    every token. The decoder that runs is `decoder_for(model, no_repeat_ngram_size)`."""
+    every token. `no_repeat_ngram_size` n > 0: no n-gram appears twice in a reply (the prompt's do not
+    count: a review may quote its paper). The decoder that runs is `decoder_for(model)`."""
     tokenizer.padding_side = "left"
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
-    if decoder_for(model, no_repeat_ngram_size) == "static":
+    if decoder_for(model) == "static":
         ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
         new = []
         for start in range(0, len(ids), batch_size):
             new += decode(model, ids[start:start + batch_size], max_new_tokens, eos_ids(model, tokenizer),
                           tokenizer.pad_token_id, temperature=temperature, repetition_penalty=repetition_penalty,
-                          weights=weights)
+                          no_repeat_ngram_size=no_repeat_ngram_size, weights=weights)
         release_dense_base(model)
         return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
     device = next(model.parameters()).device
@@ -52,18 +54,46 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
                  for p in prompts[start:start + batch_size]]
         # The template already holds the BOS token: add no second one.
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        blocks = [ReplyNgramBlock(no_repeat_ngram_size, batch["input_ids"].shape[1])] if no_repeat_ngram_size else []
         out = model.generate(**batch, max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
-                             no_repeat_ngram_size=no_repeat_ngram_size, pad_token_id=tokenizer.pad_token_id,
+                             logits_processor=LogitsProcessorList(blocks), pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=eos_ids(model, tokenizer), **sampling)
         new = out[:, batch["input_ids"].shape[1]:]
         replies.extend(t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True))
     return replies
 
 
-def decoder_for(model, no_repeat_ngram_size: int = 0) -> str:
-    """"static" (`decode`, Llama-family models) or "hf_generate" (other models, and n-gram blocking,
-    which the static decoder does not do)."""
-    return "static" if supports_fast_decode(model) and not no_repeat_ngram_size else "hf_generate"
+def decoder_for(model) -> str:
+    """"static" (`decode`: Llama-family models) or "hf_generate" (transformers' generate: the others)."""
+    return "static" if supports_fast_decode(model) else "hf_generate"
+
+
+def repeat_bans(seq: torch.Tensor, written, n: int, vocab: int) -> torch.Tensor:
+    """(B, vocab) True for each token that would complete an n-gram already in `seq[:, :written]`
+    (the reply so far; `written` an int or a one-element tensor, so a CUDA graph can replay it)."""
+    B, N = seq.shape
+    if N < n:
+        return torch.zeros(B, vocab, dtype=torch.bool, device=seq.device)
+    grams = seq.unfold(1, n - 1, 1)[:, :N - n + 1]  # (B, N-n+1, n-1): the n-1 tokens from j, followed by seq[:, j+n-1]
+    follow = seq[:, n - 1:]
+    tail = (written - (n - 1) + torch.arange(n - 1, device=seq.device)).clamp(min=0)
+    last = seq.gather(1, tail.expand(B, n - 1))  # the reply's last n-1 tokens
+    starts = torch.arange(N - n + 1, device=seq.device)
+    hit = (grams == last[:, None]).all(-1) & (starts + n - 1 < written)
+    # scatter_add, not scatter: a token may follow several n-1-grams, hit or not
+    return torch.zeros(B, vocab, device=seq.device).scatter_add_(1, follow, hit.float()) > 0
+
+
+class ReplyNgramBlock(LogitsProcessor):
+    """transformers' generate under the static decoder's rule: no n-gram twice in the reply (tokens
+    after the `prompt_length` prompt columns)."""
+
+    def __init__(self, n: int, prompt_length: int):
+        self.n, self.prompt_length = n, prompt_length
+
+    def __call__(self, input_ids, scores):
+        reply = input_ids[:, self.prompt_length:]
+        return scores.masked_fill(repeat_bans(reply, reply.shape[1], self.n, scores.shape[1]), float("-inf"))
 
 
 def release_dense_base(model) -> None:
@@ -112,7 +142,7 @@ def _prefill(lm, ids, positions, mask, store):
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int,
            temperature: float = 1.0, repetition_penalty: float = 1.0, cuda_graph: bool | None = None,
-           prefill_tokens: int = 8192, weights: str = "nf4") -> list[list[int]]:
+           prefill_tokens: int = 8192, weights: str = "nf4", no_repeat_ngram_size: int = 0) -> list[list[int]]:
     """New tokens for each prompt (sampled at `temperature`, greedy at 0), cut after the first end
     token. The model must be in eval mode (no LoRA dropout). The prompts run through the model's own
     modules; each later step is `DecodeStep`'s fused one (`weights`: its base weights, "nf4" or
@@ -180,6 +210,8 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
     def step():
         bias.index_fill_(-1, slot, 0.0)
         lg = fused_step(tok, pos, keys, values, slot, bias)
+        if no_repeat_ngram_size:
+            lg = lg.masked_fill(repeat_bans(out, step_i, no_repeat_ngram_size, lg.shape[1]), float("-inf"))
         nxt = _pick(lg, temperature, repetition_penalty, seen)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out.index_copy_(1, step_i, nxt[:, None])

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The reviewer on real weights, end to end (docs/review.md, "The reviewer on real weights"):
+#   01 (every paper) -> 02 (SFT on every train paper, every window)
+#   -> 05 on the dev papers, the SFT model once per decoding in DECODINGS; scripts/review_real_weights.py
+#      pick keeps the one with the highest format compliance, and the better rating read-out (first
+#      window or all windows): the test papers play no part in the choice
+#   -> 04 DPO with base-written rejected reviews, DPO with SFT-written ones, ORPO (SFT-written)
+#   -> 05 on the test papers: base, SFT, both DPOs, ORPO -> the summary (JSON and the preference curves)
+# RECIPE: the recipe folder (default configs/smol-gpu/review; the test runs configs/tiny/review);
+# SUMMARY_DIR: where the summary goes (default RUNS_DIR); DECODINGS: the decodings tried, one a line;
+# EVAL_FLAGS: more flags for every stage-05 run. Prints the report's and the summary's paths.
+source "$(dirname "$0")/demo_lib.sh"
+RECIPE=${RECIPE:-configs/smol-gpu/review}
+SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
+# greedy; greedy with a repetition penalty; greedy with no 5-gram twice in a review; sampled (seeded)
+mapfile -t DECODINGS <<<"${DECODINGS:-"--repetition_penalty 1.0 --no_repeat_ngram_size 0 --temperature 0
+--repetition_penalty 1.2 --no_repeat_ngram_size 0 --temperature 0
+--repetition_penalty 1.0 --no_repeat_ngram_size 5 --temperature 0
+--repetition_penalty 1.0 --no_repeat_ngram_size 0 --temperature 0.7"}"
+read -ra EVAL_FLAGS <<<"${EVAL_FLAGS:-}"
+
+pairs=$(stage 01_build_pairs.py --config "$RECIPE/01_build_pairs.yaml")
+sft=$(stage 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs")
+
+sweep=()
+for decoding in "${DECODINGS[@]}"; do
+  # shellcheck disable=SC2086  # the flags are words
+  sweep+=("$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
+    --evaluate_base false --reading all_windows $decoding "${EVAL_FLAGS[@]}")")
+done
+picked=$("$PY" scripts/review_real_weights.py pick "${sweep[@]}")
+decoding=$(sed -n 1p <<<"$picked")
+reading=$(sed -n 2p <<<"$picked")
+echo "picked on the dev papers: $decoding $reading" >&2
+
+# shellcheck disable=SC2086
+dpo_base=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding)
+# shellcheck disable=SC2086
+dpo_sft=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding)
+# shellcheck disable=SC2086
+orpo=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft --loss orpo \
+  $decoding)
+# shellcheck disable=SC2086
+evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
+  --policy_runs "$dpo_base" "$dpo_sft" "$orpo" $decoding $reading "${EVAL_FLAGS[@]}")
+"$PY" scripts/review_real_weights.py summary "$evalrun" "$SUMMARY_DIR" --sweep "${sweep[@]}"
+
+echo
+echo "reviewer on real weights finished in $(( $(date +%s) - start )) s; runs: $pairs $sft ${sweep[*]} $dpo_base $dpo_sft $orpo $evalrun"
+echo "report: $(cd "$evalrun" && pwd)/report.md"
