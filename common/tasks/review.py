@@ -79,15 +79,24 @@ def _str(obj: dict, name: str, where: str, required: bool, label: str | None = N
         return None
     if not isinstance(value, str):
         raise _type_error(where, label or name, "a string", value, name in obj)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800: valid JSON, not text
+        raise DataError(f"{where}: field '{label or name}' is not valid Unicode (unpaired surrogate "
+                        f"{value[err.start]!r} at character {err.start + 1})") from None
     return value
 
 
-def _number(obj: dict, name: str, where: str, label: str):
+def _number(obj: dict, name: str, where: str, label: str, scale: tuple[int, int]):
+    """A rating on its scale, or None. Off the scale it is a bad row: averaged into a target it would
+    teach a rating the scale has not (and that parse_review cannot read back)."""
     value = obj.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _type_error(where, label, "a number or null", value)
+    low, high = scale
+    # Compared before float(): a 400-digit integer has no float.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _type_error(where, label, f"a number from {low} to {high} or null", value)
     return float(value)
 
 
@@ -102,8 +111,8 @@ def _reviews(row: dict, where: str) -> list[dict]:
         if not isinstance(rv, dict):
             raise _type_error(where, label, "an object", rv)
         out.append({"index": i, "text": (_str(rv, "text", where, False, f"{label}.text") or "").strip(),
-                    "rating": _number(rv, "rating", where, f"{label}.rating"),
-                    "confidence": _number(rv, "confidence", where, f"{label}.confidence")})
+                    "rating": _number(rv, "rating", where, f"{label}.rating", SCALES["overall"]),
+                    "confidence": _number(rv, "confidence", where, f"{label}.confidence", SCALES["confidence"])})
     return out
 
 
@@ -302,7 +311,8 @@ PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-bala
 def rows_from(row, where: str, config) -> list[dict] | str:
     """Stage 01: one paper row -> its examples (config.review_target), or a drop reason. A paper
     without text takes it from its PDF when `--pdf` names one (`<paper_id>.pdf`)."""
-    pdf = _pdfs(tuple(config.pdf)).get(row.get("paper_id")) if isinstance(row, dict) else None
+    paper_id = row.get("paper_id") if isinstance(row, dict) else None
+    pdf = _pdfs(tuple(config.pdf)).get(paper_id) if isinstance(paper_id, str) else None  # else to_examples says why
     if pdf is not None and not str(row.get("paper_markdown_main") or "").strip():
         from common.pdf import read_pdf_text
         row = {**row, "paper_markdown_main": read_pdf_text(pdf)}
