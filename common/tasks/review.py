@@ -62,8 +62,10 @@ _RULE = re.compile(r"^\s*([-=*_])\1{2,}\s*$")
 # A heading: markdown "#", a bold-only line, or (opening a paragraph) a short line ending in ":" or up
 # to three bare words.
 _HEADING = re.compile(r"^\s*(#+\s*.*|\*\*[^*]+\*\*:?|[^.!?]{1,60}:|\w+(?: [\w&/-]+){0,2})\s*$")
-_RATING = {"overall": re.compile(r"overall\s+quality\s*[:：=]?\s*(-?\d+(?:\.\d+)?)", _I),
-           "confidence": re.compile(r"review\s+confidence\s*[:：=]?\s*(-?\d+(?:\.\d+)?)", _I)}
+# A rating is the label, a colon (or "="), the number, and maybe its scale ("5/6", "5 out of 6"): a
+# mention in prose ("the overall quality 1 of the writing") is not one, nor a number on another scale.
+_RATING = {key: re.compile(label + r"\s*[:：=]\s*(-?\d+(?:\.\d+)?)(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?", _I)
+           for key, label in (("overall", r"overall\s+quality"), ("confidence", r"review\s+confidence"))}
 
 
 # --- row checks ----------------------------------------------------------------------------------
@@ -256,15 +258,16 @@ def build_target(sections: dict) -> str:
 
 
 def parse_review(text: str) -> dict:
-    """{"overall", "confidence"}: the number after the last "Overall Quality" / "Review Confidence"
-    (markdown emphasis ignored); None when absent or off the scale (1-6, 1-5)."""
+    """{"overall", "confidence"}: the number after the last "Overall Quality:" / "Review Confidence:"
+    (markdown emphasis ignored); None when absent, off the scale (1-6, 1-5) or given on another
+    ("5 out of 10")."""
     text = re.sub(r"[*_`]", "", text or "")
     out = {}
     for key, pattern in _RATING.items():
-        found = pattern.findall(text)
-        value = float(found[-1]) if found else None
         low, high = SCALES[key]
-        out[key] = value if value is not None and low <= value <= high else None
+        found = pattern.findall(text)
+        value, scale = (float(found[-1][0]), found[-1][1]) if found else (None, "")
+        out[key] = value if value is not None and low <= value <= high and scale in ("", str(high)) else None
     return out
 
 
