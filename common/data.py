@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import json
 import math
 import random
@@ -153,6 +154,11 @@ def train_and_dev(pairs_run: str | Path, max_train: int | None, max_dev: int | N
     if not train:
         raise DataError(f"{pairs_run}: no {train_split} pairs to train on")
     return train, load_split(pairs_run, dev_split)[:max_dev]
+
+
+def premise_digest(row: dict) -> str:
+    """The identity of a row's premise by its text (its prompt), whatever post or paper id it carries."""
+    return hashlib.sha256(json.dumps(row["prompt"]).encode()).hexdigest()
 
 
 def one_per_group(rows: list[dict]) -> list[dict]:

@@ -163,7 +163,7 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
         scrubbed += [f"winner_{n}" for n in fired_w] + [f"loser_{n}" for n in fired_l]
         if not winner or not loser:
             return "empty_after_scrub"
-    if winner == loser:
+    if winner.split() == loser.split():  # the same words: nothing for a judge to tell apart
         return "identical_replies"
     return {
         "id": (fields["pair_id"] or "").strip() or content_id(fields["op_id"], winner, loser),
