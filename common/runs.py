@@ -22,6 +22,7 @@ import yaml
 from common import provenance, tracking
 from common.config import to_dict
 from common.data import DataError, read_manifest, write_json
+from common.tasks import TASKS
 
 log = logging.getLogger("pipeline")
 
@@ -92,6 +93,8 @@ class Run:
         self.stage, self.config = stage, config
         self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
         self.pairs_run, self.task = _common_lineage(self.inputs, inputs or {})
+        if self.task in TASKS:  # settings the task cannot work with, refused before anything is made
+            TASKS[self.task].check_config(config)
         if self.pairs_run and "pairs_run" not in self.inputs:  # inherited (04): it must be unchanged too
             check_input("pairs_run", self.pairs_run)
         if base is not None:

@@ -189,6 +189,10 @@ def rows_from(row, where: str, config) -> list[dict] | str:
     return pair if isinstance(pair, str) else [pair]
 
 
+def check_config(config) -> None:
+    """Before a stage's run directory exists: every setting works for CMV."""
+
+
 def input_units(row) -> dict:
     """Stage 01's extra accounting: a CMV row is one pair, nothing inside it to count."""
     return {}

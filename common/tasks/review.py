@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import ConfigError
 from common.data import DataError, load_split, n_words
 
 NAME = "review"
@@ -328,6 +329,14 @@ def _pdfs(paths: tuple[str, ...]) -> dict:
     return {Path(p).stem: p for p in paths}
 
 
+def check_config(config) -> None:
+    """Before a stage's run directory exists: a window holds fewer than max_length tokens of the paper,
+    so an overlap as large leaves it no room to move on."""
+    if getattr(config, "input_strategy", None) == "sliding_window" and config.window_overlap >= config.max_length:
+        raise ConfigError(f"field 'window_overlap' ({config.window_overlap}) must be well below max_length "
+                          f"({config.max_length}) for the review task's windows: lower window_overlap", "window_overlap")
+
+
 def input_units(row) -> dict:
     """Stage 01 counts every input review too: {"n_reviews", "n_rated"} of this row."""
     return count_reviews(row)
@@ -345,7 +354,8 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
         template_closing_tokens(tokenizer, prompt_for("")) - 1
     if budget <= config.window_overlap:
         raise DataError(f"paper {row['id']}: max_length={config.max_length} leaves {budget} tokens for the paper "
-                        f"beside its {n_target}-token target (window_overlap={config.window_overlap}): raise max_length")
+                        f"beside its {n_target}-token target (window_overlap={config.window_overlap}): lower "
+                        f"window_overlap or raise max_length")
     ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
     spans = windows(len(ids), budget, config.window_overlap) if config.input_strategy == "sliding_window" \
         else [(0, min(len(ids), budget))]
