@@ -5,8 +5,9 @@ A policy trained against one judge can learn that judge's blind spots; scored by
 then looks better without being more convincing (Gao et al. 2022, Singhal et al. 2023). Stage 05
 therefore also scores with `--judge_runs`, ideally a *held-out* judge: one trained on posts that
 neither the policy (the train split of the eval's pairs run: SFT, GRPO, DPO) nor the scored premises
-come from. Stage 03 records the posts (group ids) it trained on in `train_posts.json`, an artifact of
-its run (so its digest is checked like the adapter's); stage 05 reads it back here.
+come from. Stage 03 records the posts (group ids) it trained on, and the digests of their premise
+texts, in `train_posts.json`, an artifact of its run (so its digest is checked like the adapter's);
+stage 05 reads it back here.
 """
 from __future__ import annotations
 
