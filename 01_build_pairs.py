@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 
 from common.cli import cli
 from common.config import PairsConfig
@@ -54,7 +55,8 @@ def main(config: PairsConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs recorded with their digests.
     random.seed(config.seed)
     task = get_task(config.task)
-    run = Run("Pairs", config, overrides, inputs={f"data[{i}]": path for i, path in enumerate(config.data)})
+    run = Run("Pairs", config, overrides, inputs={**{f"data[{i}]": path for i, path in enumerate(config.data)},
+                                                  **{f"pdf[{i}]": path for i, path in enumerate(config.pdf)}})
     run.manifest["task"] = task.NAME
     run.save_manifest()
     run.start_tracking()
@@ -130,6 +132,10 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "kept_vs_balanced_max": _kept_share(splits, kinds_before) if task.PAIRWISE else None,
         "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
+    if config.pdf:  # a PDF is named after its paper's id: one that names no paper kept was not read
+        metrics["pdf_unused"] = sorted(p for p in config.pdf if Path(p).stem not in {e["group_id"] for e in examples})
+        if metrics["pdf_unused"]:
+            log.warning("%d PDF(s) name no paper that was kept: %s", len(metrics["pdf_unused"]), metrics["pdf_unused"])
     accounted = n_used + sum(dropped.values())
     assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
     log.info("examples per split %s, dropped %s, length-only accuracy %s",

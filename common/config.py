@@ -164,6 +164,10 @@ class PairsConfig(RunArgs):
         for path in self.pdf:
             if not Path(path).is_file() or Path(path).suffix.lower() != ".pdf":
                 raise ConfigError(f"field 'pdf': {path} is not a .pdf file", "pdf")
+        stems = [Path(p).stem for p in self.pdf]  # a PDF is matched to its paper by its name alone
+        if len(set(stems)) < len(stems):
+            twice = sorted({s for s in stems if stems.count(s) > 1})
+            raise ConfigError(f"field 'pdf': two files are named {twice[0]}.pdf; each paper takes one PDF", "pdf")
 
 
 @dataclass

@@ -208,11 +208,12 @@ def check_input(name: str, path) -> dict | None:
     if path is None:
         raise RunError(f"--{name} is required")
     path = Path(path)
-    if name.startswith("data"):
+    if name.startswith(("data", "pdf")):  # data files and PDFs are recorded with their digests
+        field = name.split("[")[0]
         if path.is_dir():
-            raise DataError(f"--data {path}: is a directory; give one or more .jsonl or .jsonl.gz files")
+            raise DataError(f"--{field} {path}: is a directory; give one or more files")
         if not path.is_file():
-            raise DataError(f"--data {path}: no such file")
+            raise DataError(f"--{field} {path}: no such file")
         return None
     manifest = require_done(path)
     expected = INPUT_STAGES.get(name.split("[")[0])  # a list field's inputs are named policy_runs[0], ...

@@ -198,6 +198,22 @@ def test_a_pdf_of_deeply_nested_arrays_is_one_error_line(tmp_path):
     assert metrics["dropped"] == {"bad_row": 1}
 
 
+def test_pdfs_are_recorded_and_one_that_names_no_paper_is_counted(tmp_path):
+    rows = _papers()
+    rows[2]["paper_markdown_main"] = ""
+    own, stray = _pdf(tmp_path / f"{rows[2]['paper_id']}.pdf"), _pdf(tmp_path / "no_such_paper.pdf")
+    (tmp_path / "copy").mkdir()
+    twice = _pdf(tmp_path / "copy" / own.name)
+    _, proc = _build_review(tmp_path, rows, "--pdf", own, twice)
+    assert _error(proc, tmp_path / "runs") == \
+        f"error: command line: field 'pdf': two files are named {own.stem}.pdf; each paper takes one PDF"
+    run, metrics = _done(_build_review(tmp_path, rows, "--pdf", own, stray, name="again.jsonl")[1])
+    assert metrics["pdf_unused"] == [str(stray)]
+    assert any(r["paper"].endswith("Hello paper") for r in sum(_splits(run).values(), []))
+    inputs = json.loads((run / "manifest.json").read_text())["inputs"]
+    assert inputs["pdf[0]"]["sha256"] == hashlib.sha256(own.read_bytes()).hexdigest()
+
+
 # --- preference stage: rejected.jsonl read back on resume ------------------------------------------
 
 @pytest.fixture(scope="module")
