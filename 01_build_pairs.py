@@ -15,9 +15,10 @@ Bad-input policy:
   file, line and field (fix the file), unless --skip_bad_rows true, which skips it and counts it
   under dropped["bad_row"].
 - Rows that are well-formed but unusable (no premise, blank, deleted or identical replies, a duplicate
-  pair) are always dropped and counted by reason. A duplicate is a pair with the same post and the
-  same replies as an earlier one, whatever its pair_id (or a repeated pair_id); a row without pair_id
-  gets the digest of its content as id, never its line number.
+  pair) are always dropped and counted by reason. A duplicate is a pair with the same premise and the
+  same replies as an earlier one, whatever its pair_id or post id (or a repeated pair_id); a row
+  without pair_id gets the digest of its content as id, never its line number. A premise already
+  seen under another post or paper id is dropped as duplicate_premise (it could land in two splits).
 - A file damaged as a whole (a .jsonl.gz cut short or corrupt, a file that cannot be read) always
   stops the stage with `error: FILE:LINE: ...`, even with --skip_bad_rows: the rows after the damage
   cannot be counted. Files are read as gzip when their first bytes say so, whatever their name.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 
 from common.cli import cli
 from common.config import PairsConfig
@@ -37,6 +39,7 @@ from common.data import (
     balance_split,
     length_kinds,
     length_only_accuracy,
+    premise_digest,
     read_jsonl,
     split_by_group,
     write_jsonl,
@@ -52,7 +55,8 @@ def main(config: PairsConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs recorded with their digests.
     random.seed(config.seed)
     task = get_task(config.task)
-    run = Run("Pairs", config, overrides, inputs={f"data[{i}]": path for i, path in enumerate(config.data)})
+    run = Run("Pairs", config, overrides, inputs={**{f"data[{i}]": path for i, path in enumerate(config.data)},
+                                                  **{f"pdf[{i}]": path for i, path in enumerate(config.pdf)}})
     run.manifest["task"] = task.NAME
     run.save_manifest()
     run.start_tracking()
@@ -60,7 +64,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
     # 2. Source rows -> examples (CMV: one pair; review: one paper's target, or one per review), every
     #    row either used or counted under a drop reason, and every unit inside a row counted too.
     n_rows, n_used, dropped, scrubbed, units = 0, 0, Counter(), Counter(), Counter()
-    examples, seen_ids, seen_content = [], set(), set()
+    examples, seen_ids, seen_content, premises = [], set(), set(), {}
     for path in config.data:
         rows_before = n_rows
         for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
@@ -78,6 +82,8 @@ def main(config: PairsConfig, overrides: dict) -> None:
             reason = made if isinstance(made, str) else None
             if reason is None and any(e["id"] in seen_ids or _content(e) in seen_content for e in made):
                 reason = "duplicate_pair"  # same id, or the same premise and replies as an earlier row
+            elif reason is None and any(premises.get(premise_digest(e), e["group_id"]) != e["group_id"] for e in made):
+                reason = "duplicate_premise"  # under another post or paper id it could land in two splits
             units.update({f"{k}{'' if reason is None else '_in_dropped_rows'}": v for k, v in task.input_units(row).items()})
             if reason is not None:
                 dropped[reason] += 1
@@ -86,6 +92,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
             for e in made:
                 seen_ids.add(e["id"])
                 seen_content.add(_content(e))
+                premises.setdefault(premise_digest(e), e["group_id"])
                 scrubbed.update(e.get("scrubbed", []))  # texts whose give-aways were removed, by rule
                 examples.append(e)
         if n_rows == rows_before:
@@ -125,6 +132,10 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "kept_vs_balanced_max": _kept_share(splits, kinds_before) if task.PAIRWISE else None,
         "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
+    if config.pdf:  # a PDF is named after its paper's id: one that names no paper kept was not read
+        metrics["pdf_unused"] = sorted(p for p in config.pdf if Path(p).stem not in {e["group_id"] for e in examples})
+        if metrics["pdf_unused"]:
+            log.warning("%d PDF(s) name no paper that was kept: %s", len(metrics["pdf_unused"]), metrics["pdf_unused"])
     accounted = n_used + sum(dropped.values())
     assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
     log.info("examples per split %s, dropped %s, length-only accuracy %s",
@@ -140,7 +151,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
 
 
 def _content(example: dict) -> tuple:
-    return example["group_id"], example["chosen"], example.get("rejected")
+    return premise_digest(example), example["chosen"], example.get("rejected")
 
 
 def _kept_share(splits: dict, kinds: dict) -> float | None:

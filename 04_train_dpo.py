@@ -39,7 +39,8 @@ from common.config import DPOStageConfig
 from common.data import DataError, fit_prompt, fit_reply, load_split, read_jsonl, write_jsonl
 from common.generation import decoder_for, generate_replies
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.runs import Run
+from common.provenance import sha256_file
+from common.runs import Run, RunError
 from common.shared_prompt import SharedPromptCollator, share_prompt
 from common.training import save_adapter, train, trainer_args
 
@@ -55,7 +56,16 @@ def rejected_replies(run, config: DPOStageConfig, model, tokenizer, rows, prompt
     if not todo:
         return out
     path = run.dir / "rejected.jsonl"
-    saved = [row for _, row in read_jsonl(path)] if path.is_file() else []
+    # A resumed run trains on the very replies its earlier steps had, or it stops.
+    recorded = run.manifest.get("rejected_sha256")
+    if recorded and (not path.is_file() or sha256_file(path) != recorded):
+        raise RunError(f"{path} is missing or changed since this run wrote it (sha256 differs): its earlier "
+                       f"steps trained on other rejected replies; start a new run")
+    saved = []
+    for where, s in read_jsonl(path) if path.is_file() else ():
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("id", "model", "rejected")):
+            raise DataError(f"{where}: expected an object with the strings 'id', 'model' and 'rejected'")
+        saved.append(s)
     same_model = {s["model"] for s in saved} == {config.rejected_from}
     if same_model and [s["id"] for s in saved] == [rows[i]["id"] for i in todo]:
         log.info("rejected replies read back from %s", path)
@@ -72,6 +82,8 @@ def rejected_replies(run, config: DPOStageConfig, model, tokenizer, rows, prompt
             tmp = path.with_suffix(".jsonl.tmp")
             write_jsonl(tmp, [{"id": rows[i]["id"], "rejected": text, **made_by} for i, text in zip(todo, texts)])
             tmp.replace(path)
+            run.manifest["rejected_sha256"] = sha256_file(path)
+            run.save_manifest()
     for i, text in zip(todo, texts):
         out[i] = text
     return out

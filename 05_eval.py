@@ -33,7 +33,7 @@ from transformers import set_seed
 
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
-from common.data import fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
+from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import decoder_for, generate_replies
 from common.judges import describe_judges, gain_lines
 from common.metrics import judge_metrics, text_metrics
@@ -63,6 +63,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 2. Held-out premises: one per original post or paper, with its real replies as references.
     tokenizer = load_tokenizer(config)
     premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
+    if not premises:
+        raise DataError(f"{config.pairs_run}: its {config.split} split holds no premises to score")
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
     references = [task.references(r) for r in premises]
     log.info("evaluating %s on %d premises", ["base", *adapters], len(premises))

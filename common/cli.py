@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from common.config import STAGE_CONFIGS, ConfigError, describe, type_ok
-from common.data import read_json
+from common.config import STAGE_CONFIGS, ConfigError, describe, load_yaml, shown, type_ok
+from common.data import DataError, read_manifest
 
 log = logging.getLogger("pipeline")
 NOT_COMPARED_ON_RESUME = ("resume", "run_name")  # how the run was found, not how it runs
@@ -50,7 +50,7 @@ def parse_config(cls, argv: list[str] | None = None):
     for key, raws in pairs:
         if key == "config":
             continue
-        values[key] = overrides[key] = _coerce(key, _parse_raw(raws, hints[key]), hints[key], "command line")
+        values[key] = overrides[key] = _coerce(key, _parse_raw(key, raws, hints[key]), hints[key], "command line")
         sources[key] = "command line"
 
     if values.get("resume"):
@@ -89,9 +89,12 @@ def _read_yaml(path: Path, names: set) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config: no such file {path}")
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err})") from None
+    loaded = load_yaml(text, str(path))
+    if loaded is None:  # every field would take its default, the model a hub id: nothing falls back to that
+        raise ConfigError(f"{path}: the config is empty; give a recipe (configs/<recipe>/0N_<stage>.yaml)")
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of fields")
     for key in loaded:
@@ -106,7 +109,10 @@ def _bind_to_run(cls, run_dir: Path, requested: dict, sources: dict, names: set,
         raise ConfigError(f"--resume {run_dir}: that run is finished (DONE); a finished run is never modified")
     if not (run_dir / "manifest.json").is_file() or not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"--resume {run_dir}: not a run directory (no manifest.json and config.yaml)")
-    stage = read_json(run_dir / "manifest.json").get("stage")
+    try:
+        stage = read_manifest(run_dir).get("stage")
+    except DataError as err:
+        raise ConfigError(f"--resume {run_dir}: {err}") from None
     if STAGE_CONFIGS.get(stage) is not cls:
         raise ConfigError(f"--resume {run_dir}: that is a {stage} run; this script continues {cls.STAGE} runs only")
     recorded = _read_yaml(run_dir / "config.yaml", names)
@@ -129,7 +135,7 @@ def _coerce(name: str, value, annotation, where: str):
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not type_ok(value, annotation):
-        raise ConfigError(f"{where}: field '{name}' expects {describe(annotation)}, got {value!r}", name)
+        raise ConfigError(f"{where}: field '{name}' expects {describe(annotation)}, got {shown(value)}", name)
     return value
 
 
@@ -142,19 +148,20 @@ def _is_list(annotation) -> bool:
     return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
 
 
-def _parse_raw(raws: list[str], annotation):
+def _parse_raw(key: str, raws: list[str], annotation):
     """Command-line strings -> a value: list fields take each word or a YAML list, string fields keep
     the text, anything else is read as YAML; `null` is None."""
+    where = f"command line: --{key}"
     if _is_list(annotation):
-        return yaml.safe_load(raws[0]) if len(raws) == 1 and raws[0].startswith("[") else list(raws)
+        return load_yaml(raws[0], where) if len(raws) == 1 and raws[0].startswith("[") else list(raws)
     (raw,) = raws
     if raw.lower() in ("null", "~"):
         return None
     if _accepts_str(annotation):
         return raw
     try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
+        return load_yaml(raw, where)
+    except ConfigError:
         return raw  # the type check names the field
 
 

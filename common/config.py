@@ -8,7 +8,9 @@ value is a `ConfigError` that names the field, before any model loads or any run
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import reprlib
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -162,6 +164,10 @@ class PairsConfig(RunArgs):
         for path in self.pdf:
             if not Path(path).is_file() or Path(path).suffix.lower() != ".pdf":
                 raise ConfigError(f"field 'pdf': {path} is not a .pdf file", "pdf")
+        stems = [Path(p).stem for p in self.pdf]  # a PDF is matched to its paper by its name alone
+        if len(set(stems)) < len(stems):
+            twice = sorted({s for s in stems if stems.count(s) > 1})
+            raise ConfigError(f"field 'pdf': two files are named {twice[0]}.pdf; each paper takes one PDF", "pdf")
 
 
 @dataclass
@@ -397,13 +403,60 @@ def require(config, name: str) -> None:
 
 # --- checking ---------------------------------------------------------------------------------------
 
+# Integer fields end up in torch, numpy and the Trainer, which take 64-bit integers.
+INT_LIMIT = 2**63 - 1
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A config is a flat mapping of fields. A key given twice would silently lose one value, and an
+    alias can make a few hundred bytes stand for gigabytes of values: both are refused."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            line = self.peek_event().start_mark.line + 1
+            raise ConfigError(f"{line}: YAML aliases (*name) are not allowed in a config; write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    raise ConfigError(f"{key.start_mark.line + 1}: field '{key.value}' is given twice")
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, where: str):
+    """YAML text of a config file or a command-line value -> its value; a ConfigError naming `where`
+    (and the line) when it is not valid YAML, repeats a key or uses an alias."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{where}:{err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML ({(str(err).splitlines() or ['?'])[0]})") from None
+    except (ValueError, RecursionError) as err:  # an integer of more digits than Python reads; deep nesting
+        raise ConfigError(f"{where}: not a usable YAML value ({(str(err).splitlines() or [type(err).__name__])[0][:80]})") from None
+
+
+def shown(value) -> str:
+    """A value as an error message shows it: cut short, so a huge value cannot make a huge message."""
+    return _SHORT.repr(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel = 3
+
+
 def validate(config) -> None:
     """Types, choices and bounds of every field, then each config class's own `check`."""
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, hint = getattr(config, f.name), hints[f.name]
         if not type_ok(value, hint):
-            raise ConfigError(f"field '{f.name}' expects {describe(hint)}, got {value!r}", f.name)
+            raise ConfigError(f"field '{f.name}' expects {describe(hint)}, got {shown(value)}", f.name)
         _check_bounds(f, value)
     for klass in reversed(type(config).__mro__):
         if "check" in vars(klass):
@@ -413,11 +466,16 @@ def validate(config) -> None:
 def _check_bounds(f, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
+    # inf or nan is never a setting: a learning rate or beta of inf trains an adapter of NaNs.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"field '{f.name}' must be a finite number, got {value!r}", f.name)
+    if isinstance(value, int) and abs(value) > INT_LIMIT:
+        raise ConfigError(f"field '{f.name}' must be at most {INT_LIMIT} in size, got {shown(value)}", f.name)
     m = f.metadata
     for key, ok, words in (("ge", lambda v, b: v >= b, "at least"), ("gt", lambda v, b: v > b, "above"),
                            ("le", lambda v, b: v <= b, "at most"), ("lt", lambda v, b: v < b, "below")):
         if m.get(key) is not None and not ok(value, m[key]):
-            raise ConfigError(f"field '{f.name}' must be {words} {m[key]}, got {value!r}", f.name)
+            raise ConfigError(f"field '{f.name}' must be {words} {m[key]}, got {shown(value)}", f.name)
 
 
 def type_ok(value, annotation) -> bool:
@@ -456,13 +514,15 @@ def to_dict(config) -> dict:
 
 def load_run_config(run_dir: str | Path):
     """An earlier run's settings, typed and checked: its `config.yaml` through its stage's dataclass."""
-    from common.data import read_json
+    from common.data import read_manifest
     run_dir = Path(run_dir)
-    stage = read_json(run_dir / "manifest.json").get("stage")
+    stage = read_manifest(run_dir).get("stage")
     if stage not in STAGE_CONFIGS:
         raise ConfigError(f"{run_dir}: unknown stage {stage!r} in manifest.json")
     cls = STAGE_CONFIGS[stage]
-    values = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    values = load_yaml((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{run_dir / 'config.yaml'}: expected a mapping of fields")
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ConfigError(f"{run_dir / 'config.yaml'}: unknown field(s) {', '.join(sorted(unknown))}")

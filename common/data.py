@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import json
 import math
 import random
@@ -21,12 +22,37 @@ class DataError(ValueError):
 def write_json(path: Path, data) -> None:
     """Atomically: a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(_finite(data), indent=2, sort_keys=False, allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+def _finite(data):
+    """JSON has no NaN or Infinity (strict readers refuse the file): a non-finite number is written as null."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def read_manifest(run_dir) -> dict:
+    """A run directory's manifest.json; DataError naming it when it is not a readable JSON object."""
+    path = Path(run_dir) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as err:
+        raise DataError(f"{path}: not a readable manifest ({(str(err).splitlines() or [type(err).__name__])[0][:80]}); "
+                        f"the run directory is damaged") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: not a readable manifest (a JSON {type(manifest).__name__}, not an object); "
+                        f"the run directory is damaged")
+    return manifest
 
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -128,6 +154,11 @@ def train_and_dev(pairs_run: str | Path, max_train: int | None, max_dev: int | N
     if not train:
         raise DataError(f"{pairs_run}: no {train_split} pairs to train on")
     return train, load_split(pairs_run, dev_split)[:max_dev]
+
+
+def premise_digest(row: dict) -> str:
+    """The identity of a row's premise by its text (its prompt), whatever post or paper id it carries."""
+    return hashlib.sha256(json.dumps(row["prompt"]).encode()).hexdigest()
 
 
 def one_per_group(rows: list[dict]) -> list[dict]:

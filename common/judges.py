@@ -5,40 +5,45 @@ A policy trained against one judge can learn that judge's blind spots; scored by
 then looks better without being more convincing (Gao et al. 2022, Singhal et al. 2023). Stage 05
 therefore also scores with `--judge_runs`, ideally a *held-out* judge: one trained on posts that
 neither the policy (the train split of the eval's pairs run: SFT, GRPO, DPO) nor the scored premises
-come from. Stage 03 records the posts (group ids) it trained on in `train_posts.json`, an artifact of
-its run (so its digest is checked like the adapter's); stage 05 reads it back here.
+come from. Stage 03 records the posts (group ids) it trained on, and the digests of their premise
+texts, in `train_posts.json`, an artifact of its run (so its digest is checked like the adapter's);
+stage 05 reads it back here.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from common.data import read_json, write_json
+from common.data import premise_digest, read_json, write_json
 from common.runs import RunError
 
 TRAIN_POSTS = "train_posts.json"
 
 
 def write_train_posts(run_dir: Path, split: str, rows: list[dict]) -> None:
-    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on."""
+    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on, and the digests
+    of their premise texts (the same post under another id is the same premise)."""
     write_json(Path(run_dir) / TRAIN_POSTS, {"split": split, "n_pairs": len(rows),
-                                             "posts": sorted({r["group_id"] for r in rows})})
+                                             "posts": sorted({r["group_id"] for r in rows}),
+                                             "premises": sorted({premise_digest(r) for r in rows})})
 
 
-def train_posts(reward_run: str | Path) -> set[str]:
+def train_posts(reward_run: str | Path) -> tuple[set[str], set[str]]:
+    """(post ids, premise digests) a judge trained on."""
     path = Path(reward_run) / TRAIN_POSTS
-    if not path.is_file():
-        raise RunError(f"judge {Path(reward_run).name} records no {TRAIN_POSTS} (made before stage 03 kept its "
-                       f"training posts): its overlap with the scored premises cannot be checked; re-run stage 03")
-    return set(read_json(path)["posts"])
+    saved = read_json(path) if path.is_file() else {}
+    if "premises" not in saved:
+        raise RunError(f"judge {Path(reward_run).name} records no premises in {TRAIN_POSTS} (made before stage 03 "
+                       f"kept them): its overlap with the scored premises cannot be checked; re-run stage 03")
+    return set(saved["posts"]), set(saved["premises"])
 
 
 def describe_judges(judge_runs: dict[str, str], training: str | None, scored: list[dict],
                     policy_posts: set[str], trained_configs: dict) -> dict:
-    """{run name: what the report says of the judge}, after the overlap check: a judge of
-    `--judge_runs` that trained on a scored premise is refused, naming it and the count. The training
-    judge (`training`, --reward_run) is the policy's own and is not checked: it descends from the
-    eval's pairs run, whose train split it trains on. A judge is `held_out` when it shares no post
-    with the policy's train split either; else `other` (another judge on the policy's posts)."""
+    """{run name: what the report says of the judge}, after the overlap check: a judge (the training
+    one, `training`, --reward_run, as well as each of `--judge_runs`) that trained on a scored premise,
+    by post id or by premise text, is refused, naming it and the count. A judge is `held_out` when it
+    shares no post with the policy's train split either; else `other` (another judge on the policy's
+    posts)."""
     scored_posts = {p["group_id"] for p in scored}
     out = {}
     for name, path in judge_runs.items():
@@ -47,15 +52,16 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
                 "backbone": config.judge_backbone,
                 "model": config.judge_model_name_or_path or config.model_name_or_path,
                 "train_split": config.train_split}
+        posts, premises = train_posts(path)
+        overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or premise_digest(p) in premises})
+        if overlap:
+            field = "--reward_run" if name == training else "--judge_runs"
+            raise RunError(f"{field} {path}: judge {name} trained on {len(overlap)} of the {len(scored_posts)} "
+                           f"premises it would score (e.g. post {overlap[0]}); a judge must not score "
+                           f"premises it was trained on")
         if name == training:
             out[name] = {**info, "role": "training"}
             continue
-        posts = train_posts(path)
-        overlap = posts & scored_posts
-        if overlap:
-            raise RunError(f"--judge_runs {path}: judge {name} trained on {len(overlap)} of the {len(scored_posts)} "
-                           f"premises it would score (e.g. post {sorted(overlap)[0]}); a judge must not score "
-                           f"premises it was trained on")
         shared = len(posts & policy_posts)
         out[name] = {**info, "role": "other" if shared else "held_out", "n_train_posts": len(posts),
                      "posts_shared_with_policy": shared, "posts_shared_with_scored_premises": 0}

@@ -23,7 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import cached_file
 
-from common.config import MODEL_PACKAGES, ModelArgs
+from common.config import MODEL_PACKAGES, ConfigError, ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +151,20 @@ def _weights_digest(name_or_path: str) -> str:
 def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
     """What identifies the base: name or path, config and weight-index digests, quantisation, LoRA.
     For an ENCODER judge: no quantisation, no LoRA (the whole model is fine-tuned)."""
-    path = resolve_model_path(args.model_name_or_path)
-    config = json.loads(Path(cached_file(path, "config.json")).read_text())
+    # Called before any run directory exists: a model that is not there is a bad setting, said in one line.
+    try:
+        path = resolve_model_path(args.model_name_or_path)
+        config = json.loads(Path(cached_file(path, "config.json")).read_text())
+        weights = _weights_digest(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"field 'model_name_or_path': no usable model at {args.model_name_or_path!r} (a local "
+                          f"folder with config.json and safetensors weights, or a hub name already downloaded): "
+                          f"{(str(err).splitlines() or [type(err).__name__])[0][:120]}", "model_name_or_path") from None
     config.pop("transformers_version", None)
     identity = {
         "model": args.model_name_or_path,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
-        "weights_sha256": _weights_digest(path),
+        "weights_sha256": weights,
     }
     if kind == ENCODER:
         return {**identity, "quantization": None, "finetune": "full"}

@@ -26,7 +26,7 @@ def read_pdf_text(path: str | Path) -> str:
         reader = PdfReader(path)
         encrypted = reader.is_encrypted
         pages = [] if encrypted else [(page.extract_text() or "").strip() for page in reader.pages]
-    except (PyPdfError, ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+    except (PyPdfError, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError) as err:
         raise DataError(f"{path}: unreadable PDF ({type(err).__name__}: {str(err)[:80]})") from None
     if encrypted:
         raise DataError(f"{path}: encrypted PDF; decrypt it first (e.g. qpdf --decrypt)")

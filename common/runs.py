@@ -21,7 +21,8 @@ import yaml
 
 from common import provenance, tracking
 from common.config import to_dict
-from common.data import DataError, read_json, write_json
+from common.data import DataError, read_manifest, write_json
+from common.tasks import TASKS
 
 log = logging.getLogger("pipeline")
 
@@ -92,6 +93,8 @@ class Run:
         self.stage, self.config = stage, config
         self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
         self.pairs_run, self.task = _common_lineage(self.inputs, inputs or {})
+        if self.task in TASKS:  # settings the task cannot work with, refused before anything is made
+            TASKS[self.task].check_config(config)
         if self.pairs_run and "pairs_run" not in self.inputs:  # inherited (04): it must be unchanged too
             check_input("pairs_run", self.pairs_run)
         if base is not None:
@@ -105,7 +108,7 @@ class Run:
             self.dir = Path(config.resume)
             if (self.dir / "DONE").exists():
                 raise RunError(f"--resume {self.dir}: that run is finished (DONE); a finished run is never modified")
-            self.manifest = read_json(self.dir / "manifest.json")
+            self.manifest = read_manifest(self.dir)
             self.manifest.setdefault("resumed", []).append(
                 {"argv": argv, "at": provenance.now(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                  "processes": processes()})
@@ -141,7 +144,7 @@ class Run:
             if time.time() > deadline:
                 raise RunError(f"rank 0 did not create {self.dir} within 10 minutes")
             time.sleep(0.5)
-        self.manifest = read_json(self.dir / "manifest.json")
+        self.manifest = read_manifest(self.dir)
 
     def _attach_log(self) -> None:
         handler = logging.FileHandler(self.dir / "run.log")
@@ -205,11 +208,12 @@ def check_input(name: str, path) -> dict | None:
     if path is None:
         raise RunError(f"--{name} is required")
     path = Path(path)
-    if name.startswith("data"):
+    if name.startswith(("data", "pdf")):  # data files and PDFs are recorded with their digests
+        field = name.split("[")[0]
         if path.is_dir():
-            raise DataError(f"--data {path}: is a directory; give one or more .jsonl or .jsonl.gz files")
+            raise DataError(f"--{field} {path}: is a directory; give one or more files")
         if not path.is_file():
-            raise DataError(f"--data {path}: no such file")
+            raise DataError(f"--{field} {path}: no such file")
         return None
     manifest = require_done(path)
     expected = INPUT_STAGES.get(name.split("[")[0])  # a list field's inputs are named policy_runs[0], ...
@@ -230,13 +234,17 @@ def require_done(run_dir: str | Path) -> dict:
         raise RunError(f"input run {run_dir} has no DONE marker: it is unfinished or failed")
     if not (run_dir / "manifest.json").is_file():
         raise RunError(f"input run {run_dir} has no manifest.json: it is not a run directory of this pipeline")
-    return read_json(run_dir / "manifest.json")
+    return read_manifest(run_dir)
 
 
 def _unchanged_artifacts(run_dir: Path, manifest: dict) -> dict:
     """The artifacts' digests now; every artifact recorded when the run finished must still be there, unchanged."""
+    recorded = manifest.get("artifacts")
+    if not isinstance(recorded, dict):  # without the list nothing could be checked: refused, not waved through
+        raise RunError(f"input run {run_dir} records no artifacts in its manifest.json: whether its files "
+                       f"changed since it finished cannot be checked, so it is refused (re-run that stage)")
     now = provenance.artifact_digests(run_dir)
-    for rel, digest in (manifest.get("artifacts") or {}).items():
+    for rel, digest in recorded.items():
         if rel not in now:
             raise RunError(f"input run {run_dir} is missing {rel}, which it had when it finished: "
                            f"it can no longer be used (re-run that stage)")

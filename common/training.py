@@ -148,8 +148,13 @@ def train(trainer, run) -> dict:
                     run.dir / "checkpoints", run.dir)
         raise Interrupted(STOP_EXIT_CODE)
     history = trainer.state.log_history  # restored from the checkpoint: it covers the earlier segments
-    return {"train": {**dict(result.metrics), **whole_run_metrics(history, run.manifest["segments"])},
-            "global_step": trainer.state.global_step, "resumed_from": checkpoint, "log_history": history}
+    metrics = {"train": {**dict(result.metrics), **whole_run_metrics(history, run.manifest["segments"])},
+               "global_step": trainer.state.global_step, "resumed_from": checkpoint, "log_history": history}
+    # A run whose weights are NaN or inf would finish DONE and be used by later stages as a model.
+    if not all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.requires_grad):
+        run.fail(metrics, f"training diverged: the trained weights hold NaN or inf after step "
+                          f"{trainer.state.global_step}; the run is not usable (lower learning_rate)")
+    return metrics
 
 
 def whole_run_metrics(log_history: list[dict], segments: list[dict]) -> dict:

@@ -37,20 +37,30 @@ fi
 
 # The arguments this script needs to know; everything is passed on to the stage except
 # --run_name/--resume, which are decided below.
+# A list field takes every word up to the next --field (--data a.jsonl b.jsonl, --policy_runs A B).
 args=() runs_dir=runs run_name="" resume="" config=""
 while (( $# )); do
-  key=$1
-  if [[ $key == --*=* ]]; then value=${key#*=}; key=${key%%=*}; shift
-  else (( $# >= 2 )) || die "$key needs a value"; value=$2; shift 2; fi
+  key=$1; shift
+  [[ $key == --* ]] || die "expected --field, got '$key'"
+  if [[ $key == --*=* ]]; then values=("${key#*=}"); key=${key%%=*}
+  else
+    values=()
+    while (( $# )) && [[ $1 != --* ]]; do values+=("$1"); shift; done
+    (( ${#values[@]} )) || die "$key needs a value"
+  fi
+  value=${values[0]}
   case $key in
     --run_name) run_name=$value; continue ;;
     --resume) resume=$value; continue ;;
     --runs_dir) runs_dir=$value ;;
     --config) config=$value ;;
-    --*_run) [[ $value == null || -f $value/DONE ]] \
-               || die "input $key $value is not a finished run (no DONE): its stage failed or has not run" ;;
+    --*_run|--*_runs)
+      for v in "${values[@]}"; do
+        [[ $v == null || -f $v/DONE ]] \
+          || die "input $key $v is not a finished run (no DONE): its stage failed or has not run"
+      done ;;
   esac
-  args+=("$key" "$value")
+  args+=("$key" "${values[@]}")
 done
 [[ -z $config || -f $config ]] || die "--config $config: no such file"
 

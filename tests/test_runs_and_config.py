@@ -73,7 +73,8 @@ def test_overrides_are_typed_and_returned(tmp_path):
 
 def _finished_run(path, base, stage="SFT"):
     path.mkdir()
-    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "stage": stage, "base": base}))
+    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "stage": stage, "base": base,
+                                                    "artifacts": {}}))
     (path / "DONE").write_text("")
     return path
 

@@ -6,6 +6,8 @@ A task module has:
   loser, stage 04_train_dpo generates the rejected reply); `READING` (how stage 05 reads a long input)
 - `rows_from(row, where, config)`: stage 01, one source row -> its examples, or a drop reason;
   malformed rows raise DataError naming FILE:LINE and the field
+- `check_config(config)`: any stage on the task's runs, before its run directory exists: a setting
+  the task cannot work with raises ConfigError naming the field
 - `input_units(row)`: stage 01, counts of what a row holds besides itself (review: its reviews)
 - `sft_examples(row, tokenizer, config)`: stage 02, prompt/completion examples within max_length
 - `references(row)`: stage 05, the real replies a generated one is compared with

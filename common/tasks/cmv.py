@@ -163,7 +163,7 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
         scrubbed += [f"winner_{n}" for n in fired_w] + [f"loser_{n}" for n in fired_l]
         if not winner or not loser:
             return "empty_after_scrub"
-    if winner == loser:
+    if winner.split() == loser.split():  # the same words: nothing for a judge to tell apart
         return "identical_replies"
     return {
         "id": (fields["pair_id"] or "").strip() or content_id(fields["op_id"], winner, loser),
@@ -188,6 +188,10 @@ def rows_from(row, where: str, config) -> list[dict] | str:
     """Stage 01: one source row -> [its pair], or a drop reason."""
     pair = to_pair(row, where, config.premise_words, config.scrub_giveaways)
     return pair if isinstance(pair, str) else [pair]
+
+
+def check_config(config) -> None:
+    """Before a stage's run directory exists: every setting works for CMV."""
 
 
 def input_units(row) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.config import ConfigError
 from common.data import DataError, load_split, n_words
 
 NAME = "review"
@@ -62,8 +63,10 @@ _RULE = re.compile(r"^\s*([-=*_])\1{2,}\s*$")
 # A heading: markdown "#", a bold-only line, or (opening a paragraph) a short line ending in ":" or up
 # to three bare words.
 _HEADING = re.compile(r"^\s*(#+\s*.*|\*\*[^*]+\*\*:?|[^.!?]{1,60}:|\w+(?: [\w&/-]+){0,2})\s*$")
-_RATING = {"overall": re.compile(r"overall\s+quality\s*[:：=]?\s*(-?\d+(?:\.\d+)?)", _I),
-           "confidence": re.compile(r"review\s+confidence\s*[:：=]?\s*(-?\d+(?:\.\d+)?)", _I)}
+# A rating is the label, a colon (or "="), the number, and maybe its scale ("5/6", "5 out of 6"): a
+# mention in prose ("the overall quality 1 of the writing") is not one, nor a number on another scale.
+_RATING = {key: re.compile(label + r"\s*[:：=]\s*(-?\d+(?:\.\d+)?)(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?", _I)
+           for key, label in (("overall", r"overall\s+quality"), ("confidence", r"review\s+confidence"))}
 
 
 # --- row checks ----------------------------------------------------------------------------------
@@ -79,15 +82,24 @@ def _str(obj: dict, name: str, where: str, required: bool, label: str | None = N
         return None
     if not isinstance(value, str):
         raise _type_error(where, label or name, "a string", value, name in obj)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800: valid JSON, not text
+        raise DataError(f"{where}: field '{label or name}' is not valid Unicode (unpaired surrogate "
+                        f"{value[err.start]!r} at character {err.start + 1})") from None
     return value
 
 
-def _number(obj: dict, name: str, where: str, label: str):
+def _number(obj: dict, name: str, where: str, label: str, scale: tuple[int, int]):
+    """A rating on its scale, or None. Off the scale it is a bad row: averaged into a target it would
+    teach a rating the scale has not (and that parse_review cannot read back)."""
     value = obj.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _type_error(where, label, "a number or null", value)
+    low, high = scale
+    # Compared before float(): a 400-digit integer has no float.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise _type_error(where, label, f"a number from {low} to {high} or null", value)
     return float(value)
 
 
@@ -102,8 +114,8 @@ def _reviews(row: dict, where: str) -> list[dict]:
         if not isinstance(rv, dict):
             raise _type_error(where, label, "an object", rv)
         out.append({"index": i, "text": (_str(rv, "text", where, False, f"{label}.text") or "").strip(),
-                    "rating": _number(rv, "rating", where, f"{label}.rating"),
-                    "confidence": _number(rv, "confidence", where, f"{label}.confidence")})
+                    "rating": _number(rv, "rating", where, f"{label}.rating", SCALES["overall"]),
+                    "confidence": _number(rv, "confidence", where, f"{label}.confidence", SCALES["confidence"])})
     return out
 
 
@@ -247,15 +259,16 @@ def build_target(sections: dict) -> str:
 
 
 def parse_review(text: str) -> dict:
-    """{"overall", "confidence"}: the number after the last "Overall Quality" / "Review Confidence"
-    (markdown emphasis ignored); None when absent or off the scale (1-6, 1-5)."""
+    """{"overall", "confidence"}: the number after the last "Overall Quality:" / "Review Confidence:"
+    (markdown emphasis ignored); None when absent, off the scale (1-6, 1-5) or given on another
+    ("5 out of 10")."""
     text = re.sub(r"[*_`]", "", text or "")
     out = {}
     for key, pattern in _RATING.items():
-        found = pattern.findall(text)
-        value = float(found[-1]) if found else None
         low, high = SCALES[key]
-        out[key] = value if value is not None and low <= value <= high else None
+        found = pattern.findall(text)
+        value, scale = (float(found[-1][0]), found[-1][1]) if found else (None, "")
+        out[key] = value if value is not None and low <= value <= high and scale in ("", str(high)) else None
     return out
 
 
@@ -302,7 +315,8 @@ PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-bala
 def rows_from(row, where: str, config) -> list[dict] | str:
     """Stage 01: one paper row -> its examples (config.review_target), or a drop reason. A paper
     without text takes it from its PDF when `--pdf` names one (`<paper_id>.pdf`)."""
-    pdf = _pdfs(tuple(config.pdf)).get(row.get("paper_id")) if isinstance(row, dict) else None
+    paper_id = row.get("paper_id") if isinstance(row, dict) else None
+    pdf = _pdfs(tuple(config.pdf)).get(paper_id) if isinstance(paper_id, str) else None  # else to_examples says why
     if pdf is not None and not str(row.get("paper_markdown_main") or "").strip():
         from common.pdf import read_pdf_text
         row = {**row, "paper_markdown_main": read_pdf_text(pdf)}
@@ -313,6 +327,14 @@ def rows_from(row, where: str, config) -> list[dict] | str:
 def _pdfs(paths: tuple[str, ...]) -> dict:
     """paper_id (the file's stem) -> PDF path."""
     return {Path(p).stem: p for p in paths}
+
+
+def check_config(config) -> None:
+    """Before a stage's run directory exists: a window holds fewer than max_length tokens of the paper,
+    so an overlap as large leaves it no room to move on."""
+    if getattr(config, "input_strategy", None) == "sliding_window" and config.window_overlap >= config.max_length:
+        raise ConfigError(f"field 'window_overlap' ({config.window_overlap}) must be well below max_length "
+                          f"({config.max_length}) for the review task's windows: lower window_overlap", "window_overlap")
 
 
 def input_units(row) -> dict:
@@ -332,7 +354,8 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
         template_closing_tokens(tokenizer, prompt_for("")) - 1
     if budget <= config.window_overlap:
         raise DataError(f"paper {row['id']}: max_length={config.max_length} leaves {budget} tokens for the paper "
-                        f"beside its {n_target}-token target (window_overlap={config.window_overlap}): raise max_length")
+                        f"beside its {n_target}-token target (window_overlap={config.window_overlap}): lower "
+                        f"window_overlap or raise max_length")
     ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
     spans = windows(len(ids), budget, config.window_overlap) if config.input_strategy == "sliding_window" \
         else [(0, min(len(ids), budget))]
