@@ -2,7 +2,7 @@
 # stage script with the demo's runs directory, echoes its log to stderr and prints its run directory.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
 RUNS_DIR=${RUNS_DIR:-runs}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)

@@ -8,7 +8,8 @@
 #   -> 05 on the test papers: base, SFT, both DPOs, ORPO -> the summary (JSON and the preference curves)
 # RECIPE: the recipe folder (default configs/smol-gpu/review; the test runs configs/tiny/review);
 # SUMMARY_DIR: where the summary goes (default RUNS_DIR); DECODINGS: the decodings tried, one a line;
-# EVAL_FLAGS: more flags for every stage-05 run. Prints the report's and the summary's paths.
+# EVAL_FLAGS: more flags for every stage-05 run; PAIRS_RUN, SFT_RUN: finished runs to start from instead
+# of running 01 and 02. Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu/review}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
@@ -19,8 +20,8 @@ mapfile -t DECODINGS <<<"${DECODINGS:-"--repetition_penalty 1.0 --no_repeat_ngra
 --repetition_penalty 1.0 --no_repeat_ngram_size 0 --temperature 0.7"}"
 read -ra EVAL_FLAGS <<<"${EVAL_FLAGS:-}"
 
-pairs=$(stage 01_build_pairs.py --config "$RECIPE/01_build_pairs.yaml")
-sft=$(stage 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs")
+pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$RECIPE/01_build_pairs.yaml")}
+sft=${SFT_RUN:-$(stage 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs")}
 
 sweep=()
 for decoding in "${DECODINGS[@]}"; do
