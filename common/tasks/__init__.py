@@ -11,7 +11,10 @@ A task module has:
 - `input_units(row)`: stage 01, counts of what a row holds besides itself (review: its reviews)
 - `sft_examples(row, tokenizer, config)`: stage 02, prompt/completion examples within max_length
 - `references(row)`: stage 05, the real replies a generated one is compared with
-- `evaluate(premises, replies, results, pairs_run)`: stage 05, the task's own metrics
+- `evaluate(premises, replies, results, pairs_run, readouts, seed)`: stage 05, the task's own metrics
+- `READOUT_SCALE`: a rating scale read from the model where a reply writes none (review: 1-6), or
+  None; with it `readout_turn(reply)` (the assistant's turn the rating is read after) and
+  `reading_windows(row, tokenizer, max_prompt_tokens, overlap)` (stage 05, reading all_windows)
 """
 from common.tasks import cmv, review
 
