@@ -5,7 +5,9 @@ for length, or review (paper, structured review) targets.
     python 01_build_pairs.py --config configs/smol/review/01_build_pairs.yaml   # --task review, --review_target
 
 Writes train.jsonl, dev.jsonl, test.jsonl and metrics.json (n_input_rows, n_pairs per split,
-dropped by reason, length_only_accuracy per split). Every input row is accounted for:
+dropped by reason, length_only_accuracy per split, split_by and each split's source periods). Splits
+are by post (`split_by: post`), or with `split_by: period` the test split is the source's later period
+(CMV's `source_split: heldout` posts, whole) and dev is drawn from the rest. Every input row is accounted for:
 n_rows_used + sum(dropped) == n_input_rows (for CMV a row is one pair, so also
 sum(n_pairs) + sum(dropped) == n_input_rows); a review row's reviews are counted in `input_units`.
 
@@ -42,6 +44,7 @@ from common.data import (
     premise_digest,
     read_jsonl,
     split_by_group,
+    split_by_period,
     write_jsonl,
 )
 from common.runs import Run
@@ -104,8 +107,13 @@ def main(config: PairsConfig, overrides: dict) -> None:
     #    (lengths are measured on the scrubbed texts, the ones written). Rows without a loser (review)
     #    have nothing to balance.
     strategy = config.length_balance if task.PAIRWISE else "none"
-    splits = split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
-                                       "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
+    if config.split_by == "period":  # test: the later period's posts, to see whether a judge transfers
+        splits = split_by_period(examples, config.dev_fraction, config.seed)
+    else:
+        splits = split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
+                                           "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
+    # Rows of unknown (or another) period that went to test with their post's later-period rows.
+    moved = [p for p in splits["test"] if p.get("source_split") != "heldout"] if config.split_by == "period" else []
     length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()} if task.PAIRWISE else None
     kinds_before = length_kinds(examples) if task.PAIRWISE else None
     for name in SPLITS:
@@ -122,6 +130,10 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "n_rows_used": n_used,
         "n_pairs": {name: len(splits[name]) for name in SPLITS},  # examples (pairs, review targets) per split
         "n_groups": {name: len({p["group_id"] for p in splits[name]}) for name in SPLITS},
+        "split_by": config.split_by,
+        # the source's periods in each split, as kept (CMV: train, heldout = the later period, unknown)
+        "source_split": {name: dict(sorted(Counter(str(p.get("source_split")) for p in splits[name]).items()))
+                         for name in SPLITS},
         "dropped": dict(sorted(dropped.items())),
         "input_units": dict(sorted(units.items())),  # review: every input review, used or not
         "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS} if task.PAIRWISE else None,
@@ -132,6 +144,9 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "kept_vs_balanced_max": _kept_share(splits, kinds_before) if task.PAIRWISE else None,
         "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
     }
+    if config.split_by == "period":  # counted before balancing, like the splits they were assigned to
+        metrics["test_rows_of_other_periods_with_their_post"] = {
+            "posts": len({p["group_id"] for p in moved}), "rows": len(moved)}
     if config.pdf:  # a PDF is named after its paper's id: one that names no paper kept was not read
         metrics["pdf_unused"] = sorted(p for p in config.pdf if Path(p).stem not in {e["group_id"] for e in examples})
         if metrics["pdf_unused"]:

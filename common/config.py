@@ -142,7 +142,11 @@ class PairsConfig(RunArgs):
                           factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
     premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
     dev_fraction: float = arg(0.1, "share of premises (posts) in the dev split", ge=0, lt=1)
-    test_fraction: float = arg(0.1, "share of premises (posts) in the test split", ge=0, lt=1)
+    test_fraction: float = arg(0.1, "share of premises (posts) in the test split (split_by post only)", ge=0, lt=1)
+    split_by: Literal["post", "period"] = arg(
+        "post", "post: dev and test are drawn at random by post; period (cmv): test is the source's later "
+        "period, every post with a `source_split: heldout` row, whole, and dev is drawn by post from the rest "
+        "(docs/data.md)")
     length_balance: Literal["match_ratio", "none"] = arg(
         "match_ratio", "match_ratio: pair every winner-shorter pair with the winner-longer pair of nearest "
         "length ratio, so reply length cannot pick the winner (docs/data.md); none: keep all")
@@ -156,6 +160,12 @@ class PairsConfig(RunArgs):
         "target per official review with its own rating (per_review); docs/review.md")
 
     def check(self):
+        if self.split_by == "period" and self.task != "cmv":
+            raise ConfigError(f"field 'split_by': period needs rows that carry their source's period "
+                              f"(source_split); the {self.task} task has none: use post", "split_by")
+        if self.split_by == "period" and self.test_fraction != 0.1:
+            raise ConfigError("field 'test_fraction' is not used with split_by period (the test split is the "
+                              "later period's posts): leave it out", "test_fraction")
         if self.dev_fraction + self.test_fraction >= 1:
             raise ConfigError(f"dev_fraction + test_fraction must be below 1 (the rest is train), got "
                               f"{self.dev_fraction} + {self.test_fraction}", "dev_fraction")

@@ -193,6 +193,16 @@ def split_by_group(pairs: list[dict], fractions: dict[str, float], seed: int) ->
     return out
 
 
+def split_by_period(pairs: list[dict], dev_fraction: float, seed: int) -> dict[str, list[dict]]:
+    """The source's later period as the test split: every post (group) with a row whose source_split
+    is `heldout` goes to test with all its rows, since a post has one date and its rows of unknown
+    period share it. Dev is drawn by post from the rest, as split_by_group does."""
+    later = {p["group_id"] for p in pairs if p.get("source_split") == "heldout"}
+    rest = split_by_group([p for p in pairs if p["group_id"] not in later],
+                          {"train": 1 - dev_fraction, "dev": dev_fraction}, seed)
+    return {**rest, "test": [p for p in pairs if p["group_id"] in later]}
+
+
 def n_words(text: str) -> int:
     return len(text.split())
 

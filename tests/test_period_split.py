@@ -1,0 +1,69 @@
+"""`split_by: period` (docs/data.md): the test split is the source's later period, posts whole, every
+split length-balanced and every row accounted for; stage 03's audit names that split; the script that
+measures judges on later posts runs end to end on the CPU."""
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+
+import pytest
+from conftest import REPO, run_dir_of, run_stage
+
+from common.data import length_only_accuracy, load_split
+
+BUNDLED = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
+
+
+@pytest.fixture(scope="module")
+def period_run(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("period")
+    return run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/smol/01_build_pairs_period.yaml",
+                                "--runs_dir", runs))
+
+
+def test_period_split_puts_exactly_the_later_posts_in_test_whole(period_run):
+    rows = [json.loads(line) for line in gzip.open(BUNDLED, "rt", encoding="utf-8")]
+    later_posts = {r["op_id"] for r in rows if r["source_split"] == "heldout"}
+    splits = {s: load_split(period_run, s) for s in ("train", "dev", "test")}
+    posts = {s: {p["group_id"] for p in rows_} for s, rows_ in splits.items()}
+    assert posts["test"] <= later_posts and not (posts["train"] | posts["dev"]) & later_posts
+    assert not posts["train"] & posts["dev"]
+    # Every kept later-period row is in test; the only others there share a post with one.
+    assert all(p["source_split"] != "heldout" for s in ("train", "dev") for p in splits[s])
+    by_post = defaultdict(set)
+    for r in rows:
+        by_post[r["op_id"]].add(r["source_split"])
+    mixed = {op for op, periods in by_post.items() if "heldout" in periods and len(periods) > 1}
+    others = [p for p in splits["test"] if p["source_split"] != "heldout"]
+    assert others and {p["group_id"] for p in others} <= mixed
+
+    metrics = json.loads((period_run / "metrics.json").read_text())
+    assert metrics["split_by"] == "period"
+    assert metrics["source_split"]["test"] == {"heldout": len(splits["test"]) - len(others), "unknown": len(others)}
+    assert set(metrics["source_split"]["train"]) == {"train", "unknown"}
+    assert metrics["test_rows_of_other_periods_with_their_post"]["posts"] == len(mixed)
+    # Balanced per split, as stage 01 reports it and as the files say.
+    for name, rows_ in splits.items():
+        assert metrics["length_only_accuracy"][name] == length_only_accuracy(rows_) == 0.5
+        assert metrics["n_pairs"][name] == len(rows_)
+    # Every row accounted for.
+    assert metrics["n_input_rows"] == len(rows) == metrics["n_rows_used"] + sum(metrics["dropped"].values())
+    assert sum(metrics["n_pairs"].values()) == metrics["n_rows_used"]
+
+
+def test_post_split_is_unchanged_and_reports_its_periods(pairs_run):
+    metrics = json.loads((pairs_run / "metrics.json").read_text())
+    assert metrics["split_by"] == "post" and "test_rows_of_other_periods_with_their_post" not in metrics
+    assert sum(sum(c.values()) for c in metrics["source_split"].values()) == sum(metrics["n_pairs"].values())
+
+
+@pytest.mark.parametrize("config, extra, field", [
+    ("configs/tiny/review/01_build_pairs.yaml", ["--split_by", "period"], "split_by"),
+    ("configs/smol/01_build_pairs_period.yaml", ["--test_fraction", "0.2"], "test_fraction"),
+])
+def test_period_split_refuses_what_it_cannot_do(tmp_path, config, extra, field):
+    proc = run_stage("01_build_pairs.py", "--config", config, *extra, "--runs_dir", tmp_path / "runs", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and lines[-1].startswith("error: ") and f"'{field}'" in lines[-1], proc.stderr
+    assert not (tmp_path / "runs").exists()
