@@ -13,20 +13,23 @@ score one of them), <audit_split>_scores.jsonl, and metrics.json with the `audit
 `accuracy`, `mean_margin`, `length_only_accuracy` and `score_length_spearman`, and judge_audit.json
 (common/audit.py): the judge's accuracy next to a length-only and a bag-of-words baseline trained on
 the same pairs, its score-length correlation, shortcut probes and a verdict. `train_split: dev` (or
-test) makes a held-out judge for 05's --judge_runs (docs/results.md). The manifest's `base` is the
+test) makes a held-out judge for 05's --judge_runs (docs/results.md). When the pairs run was split by
+period (stage 01's `split_by: period`), the audit names test the later period and dev in-period, with
+both baselines on each. `early_stopping_patience` judges the audit split after every epoch and keeps
+the epoch of lowest loss there. The manifest's `base` is the
 pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` the judge's own backbone.
 """
 from __future__ import annotations
 
 import logging
 
-from transformers import Trainer, TrainingArguments, set_seed
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments, set_seed
 from trl import RewardConfig, RewardTrainer
 
 from common import patches
 from common.audit import write_judge_audit
 from common.cli import cli
-from common.config import RewardStageConfig
+from common.config import RewardStageConfig, load_run_config
 from common.data import load_split, train_and_dev, write_jsonl
 from common.judges import write_train_posts
 from common.metrics import preference_metrics
@@ -72,16 +75,25 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
     scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size)
     model, tokenizer = scorer.model, scorer.tokenizer
+    # Early stopping: the audit split's loss after every epoch; the best epoch's weights are kept.
+    stopping = dict(eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
+                    metric_for_best_model="eval_loss", greater_is_better=False) if config.early_stopping_patience else {}
+    if stopping and not dev_rows:
+        raise RunError(f"early_stopping_patience: no {config.audit_split} pairs to stop on")
+    callbacks = [EarlyStoppingCallback(config.early_stopping_patience)] if stopping else None
     if config.judge_objective == "pairwise":
         train_set = preference_dataset(train_rows, scorer)
-        trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length),
-                                processing_class=tokenizer, train_dataset=train_set)
+        trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length,
+                                                               **stopping),
+                                processing_class=tokenizer, train_dataset=train_set, callbacks=callbacks,
+                                eval_dataset=preference_dataset(dev_rows, scorer) if stopping else None)
     else:  # the scorer already cut every reply to max_length: nothing is dropped
         train_set = pointwise_dataset(train_rows, scorer)
         set_up_like_reward_trainer(model, config.gradient_checkpointing)
-        trainer = Trainer(model=model, args=trainer_args(TrainingArguments, config, run), train_dataset=train_set,
+        trainer = Trainer(model=model, args=trainer_args(TrainingArguments, config, run, **stopping),
+                          train_dataset=train_set, eval_dataset=pointwise_dataset(dev_rows, scorer) if stopping else None,
                           processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
-                          compute_loss_func=pointwise_loss)
+                          compute_loss_func=pointwise_loss, callbacks=callbacks)
     run.manifest["patches"] = patches.apply(trainer, config)
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:
@@ -89,6 +101,10 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
 
     # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
     metrics = train(trainer, run)
+    if stopping:  # the weights now are the best epoch's (load_best_model_at_end)
+        metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
+                                     f"best_{config.audit_split}_loss": trainer.state.best_metric,
+                                     "epochs_trained": trainer.state.epoch}
     save_adapter(model, tokenizer, run)
 
     # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
@@ -104,10 +120,15 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                    n_train_pairs_dropped_too_long=n_dropped)
 
     # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
+    #    A pairs run split by period holds the source's later posts in test: the audit names it.
     extra = {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
              for s in config.audit_extra_splits if s != config.audit_split}
+    split_by = load_run_config(config.pairs_run).split_by
+    periods = {s: "period" if s == "test" else "in-period" for s in [config.audit_split, *extra]} \
+        if split_by == "period" else {}
+    metrics["split_by"] = split_by
     metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,
-                                               config.seed, split=config.audit_split)
+                                               config.seed, split=config.audit_split, periods=periods)
     run.finish(metrics)
 
 

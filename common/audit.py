@@ -197,12 +197,17 @@ def verdict(audit: dict) -> dict:
     low = judge["accuracy_ci95"][0]
     length_acc = base["length_only"].get(f"{split}_accuracy")
     bow_acc = base["bag_of_words"].get(f"{split}_accuracy")
-    lines.append(f"On {judge['n_pairs']} {split} pairs the judge picks the winner {judge['accuracy']:.1%} of the time "
+    lines.append(f"On {judge['n_pairs']} {_where(split, audit.get('periods', {}))} the judge picks the winner {judge['accuracy']:.1%} of the time "
                  f"(95% CI {judge['accuracy_ci95'][0]:.1%}-{judge['accuracy_ci95'][1]:.1%}); a length-only model "
                  f"gets {length_acc:.1%} and a bag-of-words model {bow_acc:.1%}.")
     best = max(length_acc, bow_acc, 0.5)
     lines.append("It is better than both shortcuts beyond chance." if low > best else
                  "It is NOT shown to be better than the shortcuts (its interval reaches down to them or to chance).")
+    for name, other in audit["other_splits"].items():  # every other held-out split, the later period named
+        lines.append(f"On {other['n_pairs']} {_where(name, audit.get('periods', {}))}: accuracy {other['accuracy']:.1%} "
+                     f"(95% CI {other['accuracy_ci95'][0]:.1%}-{other['accuracy_ci95'][1]:.1%}) vs length-only "
+                     f"{base['length_only'].get(f'{name}_accuracy'):.1%} and bag-of-words "
+                     f"{base['bag_of_words'].get(f'{name}_accuracy'):.1%}.")
     rho = judge["score_length_spearman"]
     if rho is not None:
         strength = "strongly" if abs(rho) >= 0.5 else "moderately" if abs(rho) >= 0.3 else "weakly" if abs(rho) >= 0.1 else "barely"
@@ -218,13 +223,24 @@ def verdict(audit: dict) -> dict:
     return {"falls_for": falls, "resists": resisted, "text": " ".join(lines)}
 
 
+def _where(split: str, periods: dict) -> str:
+    """A split as the verdict names it: the source's later period when the pairs were split by period."""
+    if periods.get(split) == "period":
+        return f"pairs from later posts ({split}, split_by period)"
+    return f"{split} pairs" + (" (in-period)" if split in periods else "")
+
+
 def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: list[float],
-          rejected: list[float], split: str = "dev", extra: dict | None = None, seed: int = 0) -> dict:
+          rejected: list[float], split: str = "dev", extra: dict | None = None, seed: int = 0,
+          periods: dict | None = None) -> dict:
     """The whole audit on `eval_pairs` (scores of the judge given in chosen/rejected); `extra` maps
-    other held-out splits to (pairs, chosen scores, rejected scores) for accuracy next to baselines."""
+    other held-out splits to (pairs, chosen scores, rejected scores) for accuracy next to baselines.
+    `periods` maps splits to "period" (the source's later posts) or "in-period" when the pairs run
+    was split by period."""
     extra = extra or {}
     result = {
         "split": split,
+        "periods": periods or {},
         "judge": preference_metrics(eval_pairs, chosen, rejected, seed),
         "baselines": baselines(train, {split: eval_pairs, **{k: v[0] for k, v in extra.items()}}),
         "probes": run_probes(score, eval_pairs, chosen, rejected, seed),
@@ -237,7 +253,7 @@ def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: li
 
 def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
                       rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0,
-                      split: str = "dev") -> dict:
+                      split: str = "dev", periods: dict | None = None) -> dict:
     """Stage 03's step: score the extra held-out splits, audit on `dev` (the pairs of `split`), write
     judge_audit.json beside the adapter, log the verdict; returns the summary that goes into
     metrics.json. It reads only scores, so a pairwise and a pointwise judge are audited alike."""
@@ -251,13 +267,15 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
             prompts = [r["prompt"] for r in rows]
             extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
                            scorer.score(prompts, [r["rejected"] for r in rows]))
-    result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed)
+    result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed, periods)
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
     summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],
                "length_only_baseline_accuracy": result["baselines"]["length_only"].get(f"{split}_accuracy"),
                "bag_of_words_baseline_accuracy": result["baselines"]["bag_of_words"].get(f"{split}_accuracy"),
-               "falls_for": result["verdict"]["falls_for"]}
+               "falls_for": result["verdict"]["falls_for"], "periods": result["periods"]}
     for name, metrics in result["other_splits"].items():
         summary[f"{name}_accuracy"], summary[f"{name}_accuracy_ci95"] = metrics["accuracy"], metrics["accuracy_ci95"]
+        summary[f"{name}_length_only_baseline_accuracy"] = result["baselines"]["length_only"].get(f"{name}_accuracy")
+        summary[f"{name}_bag_of_words_baseline_accuracy"] = result["baselines"]["bag_of_words"].get(f"{name}_accuracy")
     return summary

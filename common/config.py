@@ -274,6 +274,10 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         "judge_audit.json); not train_split")
     audit_extra_splits: list[Literal["train", "dev", "test"]] = arg(
         help="other splits judged besides audit_split in judge_audit.json", factory=lambda: ["test"])
+    early_stopping_patience: int = arg(
+        0, "> 0: judge the audit_split pairs after every epoch, stop after this many epochs without a lower loss "
+        "there and keep the epoch of lowest loss (its accuracy on audit_split is then chosen on it: read the "
+        "other splits); 0: train every epoch, keep the last", ge=0)
     padding_free: bool = arg(False, "train on each micro-batch's replies as one row without padding (FlexAttention's "
                              "block mask on a GPU; common/padding_free.py); pairwise 4-bit judges only")
     shared_prompt: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, computed once "

@@ -58,8 +58,9 @@ class StopOnRequest(TrainerCallback):
 
 def trainer_args(cls, config: TrainArgs, run, **extra):
     """A TRL config (SFTConfig, RewardConfig, GRPOConfig) for this run: checkpoints inside the run
-    directory, our optimisation fields, bf16 only on GPUs, W&B only when asked for."""
-    args = cls(
+    directory, our optimisation fields, bf16 only on GPUs, W&B only when asked for. `extra` adds or
+    replaces arguments (early stopping evaluates and saves every epoch instead of every save_steps)."""
+    args = dict(
         output_dir=str(run.dir / "checkpoints"),
         run_name=run.dir.name,
         seed=config.seed,
@@ -86,9 +87,8 @@ def trainer_args(cls, config: TrainArgs, run, **extra):
         disable_tqdm=True,
         **precision_flags(),
         **_padding(cls, config),
-        **extra,
     )
-    return args
+    return cls(**{**args, **extra})
 
 
 def _padding(cls, config: TrainArgs) -> dict:

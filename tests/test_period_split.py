@@ -67,3 +67,24 @@ def test_period_split_refuses_what_it_cannot_do(tmp_path, config, extra, field):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and lines[-1].startswith("error: ") and f"'{field}'" in lines[-1], proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_audit_names_the_later_period_and_early_stopping_keeps_the_best_epoch(tmp_path, tiny_model):
+    runs = tmp_path / "runs"
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
+                                 "--split_by", "period", "--test_fraction", "0.1", "--runs_dir", runs))
+    reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
+                                  "--pairs_run", pairs, "--max_steps", -1, "--num_train_epochs", 3,
+                                  "--max_train_examples", 8, "--early_stopping_patience", 1, "--runs_dir", runs))
+    audit = json.loads((reward / "judge_audit.json").read_text())
+    assert audit["periods"] == {"dev": "in-period", "test": "period"}
+    assert "pairs from later posts (test, split_by period): accuracy" in audit["verdict"]["text"]
+    for name in ("length_only", "bag_of_words"):
+        assert {"dev_accuracy", "test_accuracy"} <= set(audit["baselines"][name])
+    metrics = json.loads((reward / "metrics.json").read_text())
+    summary = metrics["judge_audit"]
+    assert metrics["split_by"] == "period" and summary["periods"]["test"] == "period"
+    assert {"test_accuracy_ci95", "test_length_only_baseline_accuracy", "test_bag_of_words_baseline_accuracy"} <= set(summary)
+    # Dev's loss after every epoch; the run keeps the lowest one's weights.
+    losses = [e["eval_loss"] for e in metrics["log_history"] if "eval_loss" in e]
+    assert losses and metrics["early_stopping"]["best_dev_loss"] == min(losses)
