@@ -51,7 +51,7 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
         info = {"path": str(Path(path).resolve()), "objective": config.judge_objective,
                 "backbone": config.judge_backbone,
                 "model": config.judge_model_name_or_path or config.model_name_or_path,
-                "train_split": config.train_split}
+                "train_split": config.train_split, "period": _period(config)}
         posts, premises = train_posts(path)
         overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or premise_digest(p) in premises})
         if overlap:
@@ -66,6 +66,22 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
         out[name] = {**info, "role": "other" if shared else "held_out", "n_train_posts": len(posts),
                      "posts_shared_with_policy": shared, "posts_shared_with_scored_premises": 0}
     return out
+
+
+def _period(config) -> str:
+    """Which kind of held-out the judge's pairs run gives: posts of the same period as the policy's
+    (split by post), or, split by period, the later posts (test) apart from the earlier ones."""
+    from common.config import ConfigError, load_run_config
+    from common.data import DataError
+    try:
+        split_by = load_run_config(config.pairs_run).split_by
+    except (ConfigError, DataError, OSError):
+        return "its pairs run cannot be read: period unknown"
+    if split_by != "period":
+        return "in-period (its pairs run is split by post: every split is of one period)"
+    if config.train_split == "test":
+        return "trained on the later period's posts (its pairs run is split by period)"
+    return f"trained in-period on {config.train_split} (its pairs run is split by period: test is the later posts)"
 
 
 def gain_lines(results: dict, judges: dict) -> list[str]:

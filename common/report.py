@@ -100,7 +100,7 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
            "spots; a judge it never trained against, on posts it never saw, checks that the gain is real."]
     for name, judge in judges.items():
         out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}), trained on the "
-                f"{judge['train_split']} split; {roles[judge['role']]}.", "",
+                f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}.", "",
                 "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |", "| --- | --- | --- | --- |"]
         for model, r in results.items():
             j = r["by_judge"][name]

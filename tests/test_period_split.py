@@ -88,3 +88,22 @@ def test_audit_names_the_later_period_and_early_stopping_keeps_the_best_epoch(tm
     # Dev's loss after every epoch; the run keeps the lowest one's weights.
     losses = [e["eval_loss"] for e in metrics["log_history"] if "eval_loss" in e]
     assert losses and metrics["early_stopping"]["best_dev_loss"] == min(losses)
+
+
+def test_eval_report_says_which_kind_of_held_out_a_judge_is(period_run, pairs_run):
+    from common.config import RewardStageConfig
+    from common.judges import _period
+    from common.report import judges_section
+
+    def judge(pairs, split):
+        return RewardStageConfig(model_name_or_path=".cache/models/tiny-llama3", pairs_run=str(pairs),
+                                 train_split=split, audit_split="train" if split != "train" else "dev")
+    assert _period(judge(pairs_run, "dev")).startswith("in-period")
+    assert "split by period: test is the later posts" in _period(judge(period_run, "dev"))
+    assert _period(judge(period_run, "test")).startswith("trained on the later period's posts")
+    info = {"role": "held_out", "objective": "pairwise", "backbone": "encoder", "model": "m", "train_split": "test",
+            "period": _period(judge(period_run, "test"))}
+    row = {"reward_mean": 0.0, "win_rate_vs_base": 0.5, "win_rate_vs_base_ci95": [0.4, 0.6],
+           "lc_win_rate_vs_base": 0.5, "lc_win_rate_vs_base_ci95": [0.4, 0.6]}
+    text = "\n".join(judges_section({"base": {"by_judge": {"J": row}}}, {"J": info}, []))
+    assert "trained on the later period's posts" in text
