@@ -185,6 +185,22 @@ def help_text(cls, doc: str) -> str:
     return "\n".join(lines)
 
 
+# The oldest release of each library whose private hooks the stages use (trainer patches, token-budget
+# batches: `Trainer.training_step` reads `loss_is_scaled_for_ga` from transformers 5.19 on).
+MIN_VERSIONS = {"transformers": "5.19.0", "trl": "1.16.0"}
+
+
+def check_versions() -> None:
+    """One `error:` line at start-up when an installed library is older than the stages can work with."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    for name, oldest in MIN_VERSIONS.items():
+        if Version(version(name)) < Version(oldest):
+            raise ConfigError(f"{name} {version(name)} is installed; the stages need {name} >= {oldest} "
+                              f"(requirements.txt pins the tested versions)")
+
+
 def cli(main, config_cls, doc: str = "") -> None:
     """Entry point of a stage: `--help`, then main(config, overrides). Bad settings, inputs and data
     end with one `error: ...` line (also written to the run's log when the run directory exists)."""
@@ -194,6 +210,7 @@ def cli(main, config_cls, doc: str = "") -> None:
         print(help_text(config_cls, doc))
         return
     try:
+        check_versions()
         main(*parse_config(config_cls))
     except (ConfigError, RunError, DataError) as err:
         _to_run_log(f"error: {err}")

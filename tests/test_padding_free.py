@@ -52,6 +52,7 @@ def test_packed_forward_gives_the_padded_rewards(share_prompt):
     ids[2, :4] = ids[0, :4]  # pair 0 shares a 4-token prompt
     ids[1, 2] = pad  # a sequence ending in the pad token: the head reads the token before it, as HF's does
     ids[3, :2] = ids[1, :2]  # ... and pair 1 shares the tokens before it
+    ids, mask = ids.to(model.device), mask.to(model.device)  # the 4-bit model sits on the GPU where there is one
     model.train()
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask).logits

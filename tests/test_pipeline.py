@@ -206,3 +206,17 @@ def test_grpo_runs_data_parallel_in_two_processes(pipeline):
     first_step = [json.loads((r / "metrics.json").read_text())["log_history"][0] for r in (pipeline["grpo"], run)]
     # num_tokens counts the prompt and reply tokens of the step's completions, over all processes
     assert first_step[1]["num_tokens"] > 1.5 * first_step[0]["num_tokens"]
+
+
+def test_grpo_whose_groups_all_tie_is_not_done(pipeline):
+    """Near-zero temperature: each premise's four replies are the same, so are their rewards, and no
+    advantage is ever non-zero; the adapter would be the SFT one, so the run must not say DONE."""
+    proc = run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", pipeline["sft"],
+                     "--reward_run", pipeline["reward"], "--temperature", "1e-6", "--runs_dir", pipeline["runs"],
+                     "--run_name", "Tied_GRPO", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "equal rewards at every step" in proc.stderr.strip().splitlines()[-1]
+    run = pipeline["runs"] / "Tied_GRPO"
+    assert not (run / "DONE").exists()
+    assert {e["frac_reward_zero_std"] for e in json.loads((run / "metrics.json").read_text())["log_history"]
+            if "frac_reward_zero_std" in e} == {1.0}

@@ -183,3 +183,4 @@ def test_the_real_weights_script_runs_every_stage_on_the_cpu(tiny_model, tmp_pat
     assert (tmp_path / "summary" / "review_preference_curves.png").stat().st_size > 0
     report = proc.stdout.strip().splitlines()[-1]
     assert report.startswith("report: ") and "## Ratings" in open(report.split(" ", 1)[1]).read()
+

@@ -127,3 +127,15 @@ def test_every_recipe_parses_strictly():
         cls, required = next(v for k, v in stages.items() if path.name.startswith(k))
         config, _ = parse_config(cls, ["--config", str(path), *required])
         assert isinstance(config, cls), path
+
+
+def test_a_library_too_old_is_one_error_line_at_start_up(monkeypatch):
+    import importlib.metadata
+
+    from common import cli
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
+    with pytest.raises(ConfigError, match=r"transformers 5\.17\.0 is installed; the stages need transformers >= 5\.19"):
+        cli.check_versions()
+    monkeypatch.setattr(importlib.metadata, "version", real)
+    cli.check_versions()  # the pinned versions pass

@@ -61,7 +61,8 @@ def _relative_error(a, b):
 def _batch(trainer):
     examples = [trainer.train_dataset[i] for i in range(len(LENGTHS))]
     assert isinstance(trainer.data_collator, SharedPromptCollator)
-    return trainer.data_collator(examples)
+    device = next(trainer.model.parameters()).device  # the model's, as the trainer's _prepare_inputs would move them
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in trainer.data_collator(examples).items()}
 
 
 def _trl_batch(batch):
