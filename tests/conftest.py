@@ -30,6 +30,14 @@ def tiny_model() -> Path:
     return ensure("tiny", TINY)
 
 
+def exact_fp32() -> None:
+    """Equivalence tests compare in fp32 to float precision; on a GPU the trainers turn on TF32 matmuls
+    (common.model.precision_flags), which round to 10 bits of mantissa: off again for the comparison."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
     """Run a stage script through its real command line; return the finished process."""
     proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,

@@ -51,7 +51,7 @@ def _by_hand(model, tok, prompt, turn) -> float:
     for v in range(1, 7):
         ids = head + tok(f"{turn} {v}", add_special_tokens=False)["input_ids"]
         with torch.no_grad():
-            logits = unwrap_peft(model)(input_ids=torch.tensor([ids])).logits[0].float()
+            logits = unwrap_peft(model)(input_ids=torch.tensor([ids], device=model.device)).logits[0].float().cpu()
         steps = torch.log_softmax(logits[len(head) - 1:-1], -1)
         logp.append(float(steps.gather(1, torch.tensor(ids[len(head):])[:, None]).sum()))
     p = torch.softmax(torch.tensor(logp, dtype=torch.float64), 0)
@@ -117,7 +117,8 @@ def test_reading_all_windows_reads_every_window(nf4_tiny, pairs):
     every = read["all_windows"]
     assert every["n_windows"] == len(windows) == len(every["per_window"])
     assert every["expected"] == pytest.approx(sum(every["per_window"]) / len(windows))
-    assert every["per_window"][0] == pytest.approx(read["first_window"]["expected"], abs=1e-4)
+    # the same read in another batch (bf16 compute: a GPU's kernels round batch by batch)
+    assert every["per_window"][0] == pytest.approx(read["first_window"]["expected"], abs=2e-3)
 
 
 def test_bf16_generation_weights_give_the_same_greedy_tokens(nf4_tiny, pairs):

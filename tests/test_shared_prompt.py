@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, load_stage, words
+from conftest import TINY, exact_fp32, load_stage, words
 from datasets import Dataset
 
 from common.config import DPOStageConfig
@@ -51,6 +51,7 @@ def trainer(request, tiny_model, tmp_path_factory):
             if "lora_B.default" in name:
                 p.add_(torch.randn_like(p) * 0.05)
     trainer.tolerance = TOLERANCE[request.param]
+    exact_fp32()
     return trainer
 
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, load_stage, words
+from conftest import TINY, exact_fp32, load_stage, words
 
 from common import token_budget
 from common.config import DPOStageConfig, RewardStageConfig, SFTStageConfig
@@ -63,6 +63,7 @@ def build(kind, tmp_path, **over):
         trainer = load_stage("02_train_sft.py").build_trainer(config, run, _lora_model(kind, config), tokenizer,
                                                            _rows(), [])
         trainer.applied = run.manifest["patches"]
+        exact_fp32()
         return trainer
     if kind == "reward":
         import trl
@@ -77,6 +78,7 @@ def build(kind, tmp_path, **over):
         trainer = trl.RewardTrainer(model=scorer.model, args=args, processing_class=tokenizer,
                                     train_dataset=preference_dataset(_rows(), scorer))
         trainer.applied = patches.apply(trainer, config)
+        exact_fp32()
         return trainer
     config = DPOStageConfig(sft_run="unused", **COMMON, **over)
     tokenizer = load_tokenizer(config)
@@ -91,6 +93,7 @@ def build(kind, tmp_path, **over):
         for name, p in model.named_parameters():
             if "lora_B.default" in name:
                 p.add_(torch.randn_like(p) * 0.05)
+    exact_fp32()
     return trainer
 
 
