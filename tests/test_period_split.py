@@ -19,7 +19,7 @@ BUNDLED = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
 @pytest.fixture(scope="module")
 def period_run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("period")
-    return run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/smol/01_build_pairs_period.yaml",
+    return run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/smol/01_build_pairs.yaml",
                                 "--runs_dir", runs))
 
 
@@ -61,7 +61,7 @@ def test_post_split_is_unchanged_and_reports_its_periods(pairs_run):
 
 @pytest.mark.parametrize("config, extra, field", [
     ("configs/tiny/review/01_build_pairs.yaml", ["--split_by", "period"], "split_by"),
-    ("configs/smol/01_build_pairs_period.yaml", ["--test_fraction", "0.2"], "test_fraction"),
+    ("configs/smol/01_build_pairs.yaml", ["--test_fraction", "0.2"], "test_fraction"),
 ])
 def test_period_split_refuses_what_it_cannot_do(tmp_path, config, extra, field):
     proc = run_stage("01_build_pairs.py", "--config", config, *extra, "--runs_dir", tmp_path / "runs", check=False)
