@@ -200,8 +200,8 @@ class SharedPromptArgs:
                               "is computed once; same log-probs and loss as TRL's one row per reply")
     shared_prompt_attention: Literal["flex_attention", "sdpa"] = arg(
         "flex_attention", "shared_prompt: the attention training runs on a GPU. flex_attention skips the "
-        "masked blocks (bench/RESULTS.md: 1.89x TRL's tokens/s at 7,168 + 2 x 1,024, sdpa's dense mask 1.21x); "
-        "the CPU always runs sdpa (FlexAttention has no backward there)")
+        "masked blocks, so the shared prompt keeps its speed; sdpa's dense mask loses most of it "
+        "(docs/performance.md). The CPU always runs sdpa (FlexAttention has no backward there)")
 
 
 @dataclass

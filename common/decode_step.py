@@ -33,11 +33,11 @@ from common import nf4_matmul
 # "triton": dequantised into the scratch buffer by a Triton kernel, then cuBLAS;
 # "bitsandbytes": the same with bitsandbytes' own dequantisation kernel (the only choice without Triton);
 # "fused": one Triton kernel that dequantises in registers and multiplies, no scratch. It is correct but
-#   slower so far: 21.1 against 12.2 ms of base matmuls a step at 64 sequences on an H200 (bench/RESULTS.md).
+#   slower so far than dequantising + cuBLAS, hence not the default (docs/performance.md).
 NF4_KERNEL = "triton"
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
-# whatever training turned off (cuDNN: `patches.no_cudnn_attention`): at 64 x 768 it took 62 us a layer,
-# against 120 us for two grouped matmuls and 88 us forced onto cuDNN (bench/profile_decode.py).
+# whatever training turned off (cuDNN: `patches.no_cudnn_attention`): faster than two grouped matmuls or
+# cuDNN alone (timed by bench/profile_decode.py; docs/performance.md).
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
 

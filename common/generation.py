@@ -2,8 +2,8 @@
 
 `decode` is the fast path for Llama-family models: it runs the decoder layers itself over a
 preallocated KV cache, so that on a GPU each new token is one CUDA graph replay. HF `generate` on a
-4-bit model with LoRA is bound by Python launching thousands of small kernels per token (measured:
-about 530 new tokens/s for 64 sequences on an H200, docs/performance.md); a replayed graph has no such cost, and
+4-bit model with LoRA is bound by Python launching thousands of small kernels per token (its rate:
+docs/performance.md); a replayed graph has no such cost, and
 the step it replays (`common/decode_step.py`) launches few kernels. The LoRA adapter is not merged:
 generation runs the very weights that training updates.
 """

@@ -180,8 +180,9 @@ def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
 
 def precision_flags() -> dict:
     """bf16 mixed precision on GPUs; on the CPU the trainer must not autocast (TRL defaults bf16=True).
-    On GPUs the matmuls still run in fp32 use TF32 tensor cores: a profiled GRPO step spent 0.4 s in
-    fp32 GEMMs (`sm80_xmma_gemm_f32f32`, bench/RESULTS.md), at a fraction of the tensor cores' rate."""
+    On GPUs the matmuls still run in fp32 use TF32 tensor cores, because fp32 GEMMs
+    (`sm80_xmma_gemm_f32f32`) run at a fraction of the tensor cores' rate and a profiled GRPO step
+    spends real time in them (bench/RESULTS.md)."""
     on_gpu = torch.cuda.is_available()
     ampere = on_gpu and torch.cuda.get_device_capability()[0] >= 8  # TF32 exists from Ampere on
     return {"bf16": on_gpu, "tf32": ampere or None, "use_cpu": not on_gpu}

@@ -1,10 +1,10 @@
 """Triton kernels over bitsandbytes NF4 weights, for GRPO's decode step (common/decode_step.py).
 
 - `nf4_dequantize`: bitsandbytes' dequantisation (bit-equal values) as one memory-bound pass, the one
-  the decode step runs: 4.9 against bitsandbytes' 7.8 ms for the 8B model's weights on an H200.
+  the decode step runs, as it is faster than bitsandbytes' kernel (docs/performance.md).
 - `nf4_linear`: out = x @ W^T (+ residual) with W dequantised in registers, never stored: one kernel.
-  Correct, but slower so far than dequantising + cuBLAS (0.66-0.75x at its best tilings,
-  bench/RESULTS.md), so the decode step does not use it unless `decode_step.NF4_KERNEL = "fused"`.
+  Correct, but slower so far than dequantising + cuBLAS at every tiling tried (docs/performance.md),
+  so the decode step does not use it unless `decode_step.NF4_KERNEL = "fused"`.
 
 For the decode step (x is M x K with M the batch of sequences, 1 to 128): bitsandbytes writes each
 weight out in bf16 and cuBLAS reads it back, three passes over 2-byte weights; `nf4_linear` reads each

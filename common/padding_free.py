@@ -1,8 +1,8 @@
 """Padding-free reward models: training (`padding_free: true` in stage 03) and the scorer's forward.
 
 TRL's reward collator pads the chosen and the rejected replies of a micro-batch to its longest one.
-On ChangeMyView's lengths a pair's two replies differ, so about 11% of the tokens the model runs are
-padding even in length-sorted token-budget micro-batches (bench/RESULTS.md). Here a micro-batch runs
+On ChangeMyView's lengths a pair's two replies differ, so part of the tokens the model runs are
+padding even in length-sorted token-budget micro-batches (their real share: bench/RESULTS.md). Here a micro-batch runs
 as one row holding its sequences end to end, with no padding (`packed_rewards`):
 - sequences that share a prefix (a pair's two replies to one prompt; GRPO's replies to one premise)
   are a group: the prefix is computed once, each sequence a branch that continues it, its positions

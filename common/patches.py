@@ -116,8 +116,8 @@ def apply_liger_kernels(trainer) -> bool:
 def batch_folded_rope(rope):
     """`rope` (an `apply_rotary_pos_emb`) over a batch folded into one sequence. Liger's RoPE kernel
     takes the batch size as a compile-time constant, so every new number of rows in a micro-batch
-    (token-budget batches vary it) compiled it again, forward and backward: 1.0 s of CPU each way over
-    the 5 profiled steps of a real-length SFT run (bench/RESULTS.md). Folded, it sees batch 1 only.
+    (token-budget batches vary it) would compile it again, forward and backward, a CPU cost that the
+    profile of real-length SFT shows (docs/performance.md). Folded, it sees batch 1 only.
     Each position keeps its own cos/sin row, so the result is the same."""
     def apply(q, k, cos, sin):  # as Llama's attention calls it
         B, _, T, D = q.shape
@@ -170,7 +170,7 @@ def unmask_right_padding(model) -> bool:
 
 def no_cudnn_attention() -> None:
     """On Hopper, PyTorch's SDPA picks cuDNN's attention first. cuDNN builds an execution plan for each new
-    sequence length, about 1.5 ms of CPU per attention call (profiled on an H200, bench/RESULTS.md), and
+    sequence length, a CPU cost on every attention call (docs/performance.md), and
     real-length batches bring a new length nearly every micro-batch: the GPU then waits on the CPU. The
     flash kernel, next in SDPA's order, has no such per-shape cost. Process-wide, as the backend flags are."""
     torch.backends.cuda.enable_cudnn_sdp(False)

@@ -1,13 +1,13 @@
 """Micro-batches filled to a token budget (`max_tokens_per_batch`) instead of a fixed example count.
 
-Why: on real-length data a micro-batch of 8 examples averages ~4,400 tokens, and the fixed cost of
-dequantising every 4-bit weight on each forward and backward is spread over fewer tokens than in
-8 x 768 uniform batches (docs/performance.md). A budget in padded tokens keeps the memory of the
+Why: on real-length data a micro-batch of 8 examples holds far fewer tokens than 8 x 768, so the fixed
+cost of dequantising every 4-bit weight on each forward and backward is spread over fewer tokens than in
+uniform batches (docs/performance.md). A budget in padded tokens keeps the memory of the
 uniform batches while every micro-batch carries about as many tokens.
 
-Padding: SFT's length-sorted micro-batches are 99% real tokens, so SFT stays padded. The reward
-model's are 89% real (a pair's two replies differ in length); `padding_free` (common/padding_free.py)
-runs them without padding, and the budget then counts real tokens (rows 0 below).
+Padding: SFT's length-sorted micro-batches are nearly all real tokens, so SFT stays padded. The reward
+model's carry more padding (a pair's two replies differ in length; docs/performance.md); `padding_free`
+(common/padding_free.py) runs them without padding, and the budget then counts real tokens (rows 0 below).
 
 How: each example costs rows x length padded tokens: SFT one row of its sequence; the reward model
 two rows (chosen, rejected) of the longer reply; DPO its shared-prompt sequence (prompt + chosen +
