@@ -39,10 +39,11 @@ from common.judges import describe_judges, gain_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.readout import rating_readouts
-from common.report import judges_section, log_plots_to_wandb, plot_distributions, write_report
+from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.rewards import RewardScorer
 from common.runs import Run
 from common.tasks import get_task
+from common.watch import distinct_n
 
 log = logging.getLogger("pipeline")
 
@@ -106,14 +107,20 @@ def main(config: EvalConfig, overrides: dict) -> None:
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
     results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
                       "reply_words_mean": sum(words[name]) / max(1, len(texts))} for name, texts in replies.items()}
+    for name, texts in replies.items():
+        results[name]["distinct_2"] = distinct_n(texts, 2)
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
+    every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in judge_runs.items():  # one judge in memory at a time
         judge = RewardScorer.from_run(path, batch_size=config.batch_size)
-        scores = {model: judge.score(prompts, texts) for model, texts in replies.items()}
+        scores = every_judge[name] = {model: judge.score(prompts, texts) for model, texts in replies.items()}
         del judge
         for model in replies:
             results[model].setdefault("by_judge", {})[name] = judge_metrics(
                 scores[model], scores["base"], words[model], words["base"], config.seed)
+            if "sft" in replies and model not in ("base", "sft"):  # what practice added to SFT
+                results[model]["by_judge"][name].update(judge_metrics(
+                    scores[model], scores["sft"], words[model], words["sft"], config.seed, against="sft"))
         if judges[name]["role"] == "training":
             rewards = scores
             for model in replies:
@@ -135,9 +142,12 @@ def main(config: EvalConfig, overrides: dict) -> None:
     write_jsonl(run.dir / "replies.jsonl", [
         {"id": p["id"], "premise": p.get("premise") or p.get("paper", "")[:2000], "reference": p["chosen"],
          **{name: {"reply": replies[name][i], **({"reward": rewards[name][i]} if rewards else {}),
+                   **({"by_judge": {j: every_judge[j][name][i] for j in every_judge}} if every_judge else {}),
                    **task_report["per_reply"].get(name, [{}] * len(premises))[i]} for name in replies}}
         for i, p in enumerate(premises)])
-    plots = {**plot_distributions(run.dir, replies, rewards), **task_report["plots"](run.dir)}
+    grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
+            if read_json(path.parent / "manifest.json").get("stage") == "GRPO"}
+    plots = {**plot_distributions(run.dir, replies, rewards), **plot_watch(run.dir, grpo), **task_report["plots"](run.dir)}
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
                                           if config.judge_runs else [])

@@ -106,6 +106,10 @@ def gain_lines(results: dict, judges: dict) -> list[str]:
             else:
                 lines.append(f"**{said} but not under the held-out judge {name} ({_ci(other, 'win_rate_vs_base')})**: "
                              f"the gain may be the training judge's blind spots, not a more convincing writer.")
+        if own["lc_win_rate_vs_base_ci95"][0] <= 0.5:
+            lines.append(f"**{model}'s win over the base under {training} ({_ci(own, 'win_rate_vs_base')}) is not "
+                         f"there at equal length (length-controlled {_ci(own, 'lc_win_rate_vs_base')})**: longer "
+                         f"replies, not better ones, may explain it.")
     return lines
 
 

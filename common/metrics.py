@@ -59,11 +59,14 @@ def text_metrics(hypotheses: list[str], references: list[list[str]]) -> dict:
             **{k: float(np.mean([b[k].fmeasure for b in best])) for k in ("rouge1", "rouge2", "rougeL")}}
 
 
-def judge_metrics(scores, base_scores, lengths, base_lengths, seed: int = 0) -> dict:
-    """What a judge says of one model against the base: its mean reward, and its win rate and
-    length-controlled win rate vs the base, with intervals."""
-    return {"reward_mean": float(np.mean(scores)) if len(scores) else None, **win_rate(scores, base_scores, seed=seed),
-            **length_controlled_win_rate(scores, base_scores, lengths, base_lengths, seed=seed)}
+def judge_metrics(scores, base_scores, lengths, base_lengths, seed: int = 0, against: str = "base") -> dict:
+    """What a judge says of one model against another (the base, or `against`, e.g. sft): its mean
+    reward, and its win rate and length-controlled win rate vs the other, with intervals; the keys
+    name the other (`win_rate_vs_base`, `win_rate_vs_sft`, ...)."""
+    out = {"reward_mean": float(np.mean(scores)) if len(scores) else None, **win_rate(scores, base_scores, seed=seed),
+           **length_controlled_win_rate(scores, base_scores, lengths, base_lengths, seed=seed)}
+    return out if against == "base" else {k.replace("vs_base", f"vs_{against}"): v for k, v in out.items()
+                                          if "vs_base" in k}
 
 
 def win_rate(scores: list[float], base_scores: list[float], n_boot: int = 2000, seed: int = 0) -> dict:

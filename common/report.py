@@ -62,6 +62,34 @@ def plot_ratings(out_dir: Path, pairs: dict[str, list[tuple[float, float]]]) -> 
     return {"Predicted vs human rating": path}
 
 
+def plot_watch(out_dir: Path, per_step: dict[str, list[dict]]) -> dict:
+    """Each GRPO policy's training, step by step: the training judge's mean reward beside the
+    reward-hacking watch (reply words, distinct-2, share of reply 3-grams copied from the premise),
+    from its run's metrics.json `per_step`. Returns {caption: path}, empty without a GRPO policy."""
+    per_step = {name: steps for name, steps in per_step.items() if steps}
+    if not per_step:
+        return {}
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = (("reward_mean", "training judge's reward"), ("reply_words_mean", "reply words"),
+              ("distinct_2", "distinct-2"), ("premise_overlap", "premise 3-grams copied"))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4), dpi=100)
+    for ax, (key, title) in zip(axes, panels):
+        for name, steps in per_step.items():
+            points = [(s["step"], s[key]) for s in steps if s.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend()
+    fig.tight_layout()
+    path = Path(out_dir) / "grpo_watch.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return {"GRPO per step: the training judge's reward and the reward-hacking watch": path}
+
+
 def log_plots_to_wandb(plots: dict) -> None:
     """The plots as W&B images, when a W&B run is open."""
     try:
@@ -101,11 +129,14 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
     for name, judge in judges.items():
         out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}), trained on the "
                 f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}.", "",
-                "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |", "| --- | --- | --- | --- |"]
+                "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] | win rate vs SFT | "
+                "LC win rate vs SFT | words (mean) | distinct-2 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for model, r in results.items():
             j = r["by_judge"][name]
             out.append(f"| {model} | {_fmt(j['reward_mean'])} | {_with_ci(j, 'win_rate_vs_base')} | "
-                       f"{_with_ci(j, 'lc_win_rate_vs_base')} |")
+                       f"{_with_ci(j, 'lc_win_rate_vs_base')} | {_with_ci(j, 'win_rate_vs_sft')} | "
+                       f"{_with_ci(j, 'lc_win_rate_vs_sft')} | {r['reply_words_mean']:.0f} | "
+                       f"{_fmt(r.get('distinct_2'))} |")
     if lines:
         out += [""] + lines
     return out
