@@ -44,6 +44,7 @@ def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev
                          train_dataset=sft_dataset(train_rows, tokenizer, config, task),
                          eval_dataset=sft_dataset(dev_rows, tokenizer, config, task) if dev_rows else None)
     run.manifest["patches"] = patches.apply(trainer, config)
+    run.manifest["backends"] = patches.backends(config, run.manifest["patches"])
     return trainer
 
 

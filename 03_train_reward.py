@@ -73,7 +73,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
     #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
     #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
-    scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size)
+    scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
     model, tokenizer = scorer.model, scorer.tokenizer
     # Early stopping: the audit split's loss after every epoch; the best epoch's weights are kept.
     stopping = dict(eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
@@ -95,6 +95,8 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                           processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
                           compute_loss_func=pointwise_loss, callbacks=callbacks)
     run.manifest["patches"] = patches.apply(trainer, config)
+    run.manifest["backends"] = patches.backends(config, run.manifest["patches"],
+                                                judge_scoring="packed" if scorer.packed else "padded")
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:
         log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)

@@ -52,6 +52,11 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
     run.manifest["patches"] = patches.apply(trainer, config)
+    # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
+    # does not know: recorded either way.
+    run.manifest["backends"] = patches.backends(config, run.manifest["patches"],
+                                                decoder="static" if rollout else "trl_generate",
+                                                judge_scoring="packed" if judge.scorer.packed else "padded")
     return trainer
 
 
@@ -73,7 +78,8 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     #    The judge is the reward run's own (its config and `judge` fingerprint), watched: reply
     #    length, distinct-2 and premise overlap of every batch go to the log (watch/...); the length
     #    guard's reference is kept in the run directory, so a resumed run keeps it.
-    judge = WatchedReward(RewardScorer.from_run(config.reward_run, batch_size=config.reward_batch_size),
+    scorer = RewardScorer.from_run(config.reward_run, batch_size=config.reward_batch_size, packed=config.fast_paths)
+    judge = WatchedReward(scorer,
                           config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
     run.manifest["judge"] = run.inputs["reward_run"].get("judge")
     run.save_manifest()

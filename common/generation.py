@@ -26,17 +26,17 @@ GRAPH_FAILURES: list[str] = []  # why a capture fell back to eager steps (the be
 @torch.no_grad()
 def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
                      repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, temperature: float = 0.0,
-                     weights: str = "nf4", seed: int | None = None) -> list[str]:
+                     weights: str = "nf4", seed: int | None = None, static: bool = True) -> list[str]:
     """Replies of a frozen model: greedy at temperature 0 (reproducible), else sampled from `seed`;
     left-padded batches, special tokens stripped. `weights` "bf16": the static decoder reads bf16
     copies of the 4-bit base, made once and freed at the end, instead of dequantising every weight at
     every token. `no_repeat_ngram_size` n > 0: no n-gram appears twice in a reply (the prompt's do not
-    count: a review may quote its paper). The decoder that runs is `decoder_for(model)`."""
+    count: a review may quote its paper). The decoder that runs is `decoder_for(model, static)`."""
     tokenizer.padding_side = "left"
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
-    if decoder_for(model) == "static":
+    if decoder_for(model, static) == "static":
         ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
         new = []
         for start in range(0, len(ids), batch_size):
@@ -63,9 +63,10 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
     return replies
 
 
-def decoder_for(model) -> str:
-    """"static" (`decode`: Llama-family models) or "hf_generate" (transformers' generate: the others)."""
-    return "static" if supports_fast_decode(model) else "hf_generate"
+def decoder_for(model, static: bool = True) -> str:
+    """"static" (`decode`: Llama-family models, unless `static` is false) or "hf_generate"
+    (transformers' generate: the other models, and fast_paths false)."""
+    return "static" if static and supports_fast_decode(model) else "hf_generate"
 
 
 def repeat_bans(seq: torch.Tensor, written, n: int, vocab: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Every change to the model or its data that a config asks for, in one place.
 
 Each stage's `build_trainer` calls `apply(trainer, config)` once its TRL trainer exists, and the
-run's manifest records what was applied (`patches`). Nothing else in the pipeline changes a model's
+run's manifest records what was applied (`patches`, and `backends`). With `fast_paths: false` the
+config asks for none of them (common/config.py, PLAIN_PATHS), and the two that are not fields of a
+config (unmask_right_padding, no_cudnn_attention) are left off too: plain TRL and transformers. Nothing else in the pipeline changes a model's
 forward or a trainer's data behind the config's back.
 
 | change | when | what it does |
@@ -39,7 +41,7 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if getattr(config, "padding_free", False):
         padding_free.unpad_rows(trainer.model, share_prompt=share)
         applied += ["padding_free"] + (["shared_prompt"] if share else [])
-    elif unmask_right_padding(trainer.model):
+    elif config.fast_paths and unmask_right_padding(trainer.model):
         applied.append("unmask_right_padding")
     if getattr(trainer.model, "shares_prompt", False):  # DPO: installed before its trainer was built
         applied.append("shared_prompt")
@@ -62,11 +64,18 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if config.mlp_chunk_tokens:  # after Liger, whose SwiGLU it then wraps
         chunk_mlps(trainer.model, config.mlp_chunk_tokens)
         applied.append("chunk_mlps")
-    if torch.cuda.is_available():
+    if config.fast_paths and torch.cuda.is_available():
         no_cudnn_attention()
         applied.append("no_cudnn_attention")
-    log.info("model and data changes: %s", ", ".join(applied))
+    log.info("model and data changes: %s", ", ".join(applied) or "none")
     return applied
+
+
+def backends(config, applied: list[str], **parts: str) -> dict:
+    """What a stage ran, for its manifest: `fast_paths`, the attention kernel, the model and data changes
+    applied (`patches`), and the stage's own parts (decoder, judge scoring)."""
+    return {"fast_paths": config.fast_paths, "attention": getattr(config, "attn_implementation", None),
+            "patches": applied, **parts}
 
 
 def add_length_column(trainer) -> bool:

@@ -103,8 +103,9 @@ def pointwise_loss(outputs, labels, num_items_in_batch=None):
 
 class RewardScorer:
     def __init__(self, model, tokenizer, max_prompt_tokens: int, max_length: int, batch_size: int = 8,
-                 kind: str = SEQ_CLS):
+                 kind: str = SEQ_CLS, packed: bool = True):
         self.model, self.tokenizer, self.kind = model, tokenizer, kind
+        self.packed = packed and kind == SEQ_CLS  # False: right-padded batches, as transformers scores them
         self.max_prompt_tokens, self.max_length, self.batch_size = max_prompt_tokens, max_length, batch_size
         self._fitted: dict[str, list[dict]] = {}  # prompt -> prompt cut to max_prompt_tokens (GRPO scores 4 replies each)
         if kind == ENCODER and max_prompt_tokens + tokenizer.num_special_tokens_to_add(pair=True) >= max_length:
@@ -113,15 +114,15 @@ class RewardScorer:
 
     @classmethod
     def load(cls, config: RewardStageConfig, adapter: str | Path | None = None, trainable: bool = True,
-             batch_size: int = 8) -> "RewardScorer":
+             batch_size: int = 8, packed: bool = True) -> "RewardScorer":
         """The judge of a stage-03 config: fresh (to train) or its saved adapter / fine-tuned model."""
         args, kind = judge_spec(config)
         tokenizer = load_tokenizer(args)
         model = load_model(args, kind, adapter=adapter, trainable=trainable, tokenizer=tokenizer)
-        return cls(model, tokenizer, config.max_prompt_tokens, config.max_length, batch_size, kind)
+        return cls(model, tokenizer, config.max_prompt_tokens, config.max_length, batch_size, kind, packed)
 
     @classmethod
-    def from_run(cls, reward_run: str | Path, batch_size: int = 8) -> "RewardScorer":
+    def from_run(cls, reward_run: str | Path, batch_size: int = 8, packed: bool = True) -> "RewardScorer":
         """Load a finished stage-03 run's judge, frozen, exactly as that run trained it: its backbone
         comes from the run's own config.yaml.
         Refuses the run if the backbone's files differ from the `judge` fingerprint it recorded."""
@@ -136,7 +137,7 @@ class RewardScorer:
             if key in recorded and recorded[key] != now[key]:
                 raise RunError(f"judge of reward run {reward_run.name} changed since it was trained: field "
                                f"'{key}' is {now[key]!r} now but {recorded[key]!r} in its manifest")
-        return cls.load(trained, adapter=reward_run / "adapter", trainable=False, batch_size=batch_size)
+        return cls.load(trained, adapter=reward_run / "adapter", trainable=False, batch_size=batch_size, packed=packed)
 
     def encode(self, prompt: list[dict], reply: str) -> list[int]:
         if self.kind == ENCODER:
@@ -163,12 +164,12 @@ class RewardScorer:
     @torch.no_grad()
     def score(self, prompts: list[list[dict]], replies: list[str]) -> list[float]:
         """One score per (prompt, reply), in input order. A causal judge runs padding-free, the replies
-        to one prompt sharing it (GRPO scores 4 replies to each premise; common/padding_free.py); the
-        encoder judge runs right-padded batches of similar lengths."""
+        to one prompt sharing it (GRPO scores 4 replies to each premise; common/padding_free.py), unless
+        `packed` is off; the encoder judge runs right-padded batches of similar lengths."""
         was_training = self.model.training
         self.model.eval()
         encoded = [self.encode(p, r) for p, r in zip(prompts, replies)]
-        scores = self._packed(prompts, encoded) if self.kind == SEQ_CLS else self._padded(encoded)
+        scores = self._packed(prompts, encoded) if self.packed else self._padded(encoded)
         self.model.train(was_training)
         return scores
 

@@ -1,0 +1,89 @@
+"""`fast_paths: false`, one switch to plain TRL and transformers, on the tiny recipe: every stage
+takes it, it sets every fast field to its plain value, the losses agree with the fast paths where the
+maths is the same (SFT, the reward model, DPO), and the manifests name the backends that ran."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, run_dir_of, run_stage
+
+from common.config import PLAIN_PATHS, STAGE_CONFIGS, DPOStageConfig, GRPOStageConfig
+
+NF4_TOLERANCE = 3e-2  # the same maths through other kernels, in bf16 compute on a 4-bit base
+
+
+def _losses(run) -> list[float]:
+    """Every logged training loss: the first step's, and the steps after an update on each path."""
+    return [entry["loss"] for entry in json.loads((run / "metrics.json").read_text())["log_history"] if "loss" in entry]
+
+
+def _backends(run) -> dict:
+    return json.loads((run / "manifest.json").read_text())["backends"]
+
+
+@pytest.mark.parametrize("script", ["01_build_pairs.py", "02_train_sft.py", "03_train_reward.py", "04_train_grpo.py",
+                                    "04_train_dpo.py", "05_eval.py"])
+def test_every_stage_lists_fast_paths_in_its_help(script):
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and "  --fast_paths (bool; default true)" in proc.stdout
+
+
+def test_fast_paths_false_sets_every_fast_field_to_its_plain_value():
+    grpo = GRPOStageConfig(sft_run="s", reward_run="r", fast_paths=False, rollout_weights="bf16", shared_prompt=True,
+                           liger_kernel=True, per_device_train_batch_size=4)
+    assert (grpo.rollout_backend, grpo.rollout_weights, grpo.shared_prompt, grpo.liger_kernel) == ("hf", "nf4", False,
+                                                                                                   False)
+    dpo = DPOStageConfig(sft_run="s", fast_paths=False, max_tokens_per_batch=4096, generation_weights="bf16")
+    assert (dpo.max_tokens_per_batch, dpo.generation_weights, dpo.shared_prompt) == (0, "nf4", False)
+    for cls in set(STAGE_CONFIGS.values()):  # every plain value is one the field accepts
+        fields = cls.__dataclass_fields__
+        assert all(name not in fields or isinstance(value, (bool, int, str)) for name, value in PLAIN_PATHS.items())
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, pairs_run, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fast_paths")
+    common = ["--pairs_run", pairs_run, "--runs_dir", out]
+    made = {}
+    for fast in ("true", "false"):
+        made[f"sft_{fast}"] = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml",
+                                                   *common, "--fast_paths", fast))
+        # fast: the reward model padding-free, a pair's replies sharing their prompt; plain: TRL's rows
+        made[f"reward_{fast}"] = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
+                                                      *common, "--padding_free", "true", "--fast_paths", fast))
+    for fast in ("true", "false"):
+        made[f"dpo_{fast}"] = run_dir_of(run_stage("04_train_dpo.py", "--config", "configs/tiny/04_train_dpo.yaml",
+                                                   "--sft_run", made["sft_true"], "--runs_dir", out,
+                                                   "--fast_paths", fast))
+    made["grpo_false"] = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml",
+                                              "--sft_run", made["sft_true"], "--reward_run", made["reward_true"],
+                                              "--runs_dir", out, "--fast_paths", "false"))
+    made["eval_false"] = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run",
+                                              pairs_run, "--reward_run", made["reward_true"], "--sft_run",
+                                              made["sft_true"], "--policy_runs", made["grpo_false"], "--runs_dir", out,
+                                              "--fast_paths", "false"))
+    return made
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
+def test_plain_and_fast_paths_give_the_same_loss(runs, stage):
+    fast, plain = _losses(runs[f"{stage}_true"]), _losses(runs[f"{stage}_false"])
+    assert len(fast) >= 2 and plain == pytest.approx(fast, rel=NF4_TOLERANCE), (stage, fast, plain)
+    assert _backends(runs[f"{stage}_true"])["fast_paths"] is True
+    assert _backends(runs[f"{stage}_false"])["fast_paths"] is False
+
+
+def test_manifests_name_the_backends(runs):
+    assert "padding_free" in _backends(runs["reward_true"])["patches"]
+    assert _backends(runs["reward_false"])["patches"] == [] and _backends(runs["reward_false"])["judge_scoring"] == "padded"
+    assert "shared_prompt" in _backends(runs["dpo_true"])["patches"] and "shared_prompt" not in _backends(
+        runs["dpo_false"])["patches"]
+    assert "unmask_right_padding" in _backends(runs["sft_true"])["patches"] and _backends(runs["sft_false"])["patches"] == []
+    grpo = _backends(runs["grpo_false"])
+    assert (grpo["decoder"], grpo["judge_scoring"], grpo["patches"]) == ("trl_generate", "padded", [])
+    evaluation = _backends(runs["eval_false"])
+    assert evaluation["decoder"] == "hf_generate" and set(evaluation["judge_scoring"].values()) == {"padded"}
+    assert (runs["eval_false"] / "DONE").is_file()
