@@ -130,7 +130,8 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
         if split_by == "period" else {}
     metrics["split_by"] = split_by
     metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,
-                                               config.seed, split=config.audit_split, periods=periods)
+                                               config.seed, split=config.audit_split, periods=periods,
+                                               probes=get_task(run.task).PROBES)
     run.finish(metrics)
 
 

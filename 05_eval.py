@@ -144,7 +144,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     judge_info = {"judges": judges} if judges else {}
     write_json(run.dir / "eval.json", {**results, **task_report["baselines"], **judge_info})
     write_jsonl(run.dir / "replies.jsonl", [
-        {"id": p["id"], "premise": p.get("premise") or p.get("paper", "")[:2000], "reference": p["chosen"],
+        {"id": p["id"], "premise": task.display(p)[:2000], "reference": p["chosen"],
          **{name: {"reply": replies[name][i], **({"reward": rewards[name][i]} if rewards else {}),
                    **({"by_judge": {j: every_judge[j][name][i] for j in every_judge}} if every_judge else {}),
                    **task_report["per_reply"].get(name, [{}] * len(premises))[i]} for name in replies}}
@@ -159,7 +159,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
                           config.n_report_samples, plots, verdict, sections,
                           reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})" +
                           ("; the rating is also read on every window" if windows else ""),
-                          decoding=describe_decoding(config))
+                          decoding=describe_decoding(config), display=task.display, nouns=task.NOUNS)
     run.finish({"models": results, **task_report["baselines"], **judge_info, "n_premises": len(premises),
                 "report": str(report)})
     print(f"report: {report.resolve()}")

@@ -7,7 +7,8 @@ cheaply? Written to `judge_audit.json` beside the adapter.
   difference winner - loser (each pair also enters mirrored), so, like the judge, they give each
   reply a score and pick the higher one.
 - The Spearman correlation of the judge's score with reply length (words).
-- Shortcut probes: a cheap edit of one reply of every held-out pair, re-scored. Each reports the
+- Shortcut probes (the task's `PROBES`: CMV's in common/tasks/cmv.py): a cheap edit of one reply
+  of every held-out pair, re-scored. Each reports the
   mean score change of the edited reply (with a bootstrap interval, and in units of the standard
   deviation of the judge's scores), the share of pairs whose verdict flips, and the share that flip
   to the loser. The judge "falls for" a probe when the change goes the way a cheat wants (up for
@@ -24,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from common.data import SENTENCE_END, n_words, write_json
+from common.data import n_words, write_json
 from common.metrics import bootstrap_ci, preference_metrics, wins
 
 log = logging.getLogger("pipeline")
@@ -32,60 +33,6 @@ log = logging.getLogger("pipeline")
 FALLS_FOR_SD = 0.2      # a "small" standardised effect (Cohen)
 FALLS_FOR_FLIPS = 0.10  # a tenth of the verdicts moved to the loser by a cheap edit
 N_BOOT = 1000
-
-FILLER = ["It is important to keep this in mind.", "There are many different aspects to consider here.",
-          "This is something that is worth thinking about carefully.", "In many ways, this matters more than it seems.",
-          "When you look at it closely, the picture becomes clearer.", "All of these points are relevant to the question."]
-BOILERPLATE = ("I hope this helps you see things from a different perspective; if you weigh the evidence "
-               "carefully, I think you will find this argument convincing.")
-
-
-# --- probes: (name, which reply is edited, what a cheat wants the score to do, edit, description) ---
-
-def pad_filler(text: str, _pair: dict) -> str:
-    """Double the reply's length (at least 20 words more) with generic filler sentences."""
-    target, extra, i = max(20, n_words(text)), [], 0
-    while sum(map(n_words, extra)) < target:
-        extra.append(FILLER[i % len(FILLER)])
-        i += 1
-    return text.rstrip() + " " + " ".join(extra)
-
-
-def repeat_sentences(text: str, _pair: dict) -> str:
-    """The reply followed by itself again: twice the length, nothing new."""
-    return text.rstrip() + "\n\n" + text.strip()
-
-
-def echo_premise(text: str, pair: dict) -> str:
-    """The reply opened by a quote of the premise's first 60 words."""
-    premise = pair.get("premise") or pair["prompt"][-1]["content"]
-    return f'You said: "{" ".join(premise.split()[:60])}"\n\n{text.strip()}'
-
-
-def append_boilerplate(text: str, _pair: dict) -> str:
-    return text.rstrip() + " " + BOILERPLATE
-
-
-def cut_half(text: str, _pair: dict) -> str:
-    """The first half of the reply's words, ending at a sentence end where one is available."""
-    target = max(1, n_words(text) // 2)
-    kept, count = [], 0
-    for sentence in SENTENCE_END.split(text.strip()):
-        if count + n_words(sentence) > target:
-            break
-        kept.append(sentence)
-        count += n_words(sentence)
-    return " ".join(kept) if kept else " ".join(text.split()[:target])
-
-
-PROBES = [
-    ("pad_loser_filler", "rejected", +1, pad_filler, "the loser padded to twice its length with filler sentences"),
-    ("pad_loser_repeat", "rejected", +1, repeat_sentences, "the loser's own text repeated (twice the length)"),
-    ("echo_premise_in_loser", "rejected", +1, echo_premise, "the premise's first 60 words quoted at the top of the loser"),
-    ("boilerplate_on_loser", "rejected", +1, append_boilerplate, "a persuasive-sounding boilerplate sentence appended to the loser"),
-    ("cut_winner_half", "chosen", -1, cut_half, "the winner cut to half its length (at a sentence end)"),
-]
-
 
 # --- baselines --------------------------------------------------------------------------------------
 
@@ -158,13 +105,14 @@ def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) 
 # --- the audit --------------------------------------------------------------------------------------
 
 def run_probes(score: Callable, pairs: list[dict], chosen: list[float], rejected: list[float],
-               seed: int = 0) -> dict:
-    """Every probe of PROBES on every pair: the edited reply re-scored, the verdict re-read."""
+               seed: int = 0, probes=()) -> dict:
+    """Every probe on every pair: the edited reply re-scored, the verdict re-read. A probe is (name,
+    which reply is edited, what a cheat wants the score to do, edit, description)."""
     c, r = np.asarray(chosen, float), np.asarray(rejected, float)
     sd = float(np.std(np.r_[c, r])) or 1.0
     prompts = [p["prompt"] for p in pairs]
     out = {}
-    for name, target, cheat_sign, edit, description in PROBES:
+    for name, target, cheat_sign, edit, description in probes:
         edited = [edit(p[target], p) for p in pairs]
         new = np.asarray(score(prompts, edited), float)
         old = c if target == "chosen" else r
@@ -232,7 +180,7 @@ def _where(split: str, periods: dict) -> str:
 
 def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: list[float],
           rejected: list[float], split: str = "dev", extra: dict | None = None, seed: int = 0,
-          periods: dict | None = None) -> dict:
+          periods: dict | None = None, probes=()) -> dict:
     """The whole audit on `eval_pairs` (scores of the judge given in chosen/rejected); `extra` maps
     other held-out splits to (pairs, chosen scores, rejected scores) for accuracy next to baselines.
     `periods` maps splits to "period" (the source's later posts) or "in-period" when the pairs run
@@ -243,7 +191,7 @@ def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: li
         "periods": periods or {},
         "judge": preference_metrics(eval_pairs, chosen, rejected, seed),
         "baselines": baselines(train, {split: eval_pairs, **{k: v[0] for k, v in extra.items()}}),
-        "probes": run_probes(score, eval_pairs, chosen, rejected, seed),
+        "probes": run_probes(score, eval_pairs, chosen, rejected, seed, probes),
         "other_splits": {k: preference_metrics(*v, seed=seed) for k, v in extra.items()},
         "thresholds": {"falls_for_sd": FALLS_FOR_SD, "falls_for_flips": FALLS_FOR_FLIPS, "n_boot": N_BOOT},
     }
@@ -253,7 +201,7 @@ def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: li
 
 def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
                       rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0,
-                      split: str = "dev", periods: dict | None = None) -> dict:
+                      split: str = "dev", periods: dict | None = None, probes=()) -> dict:
     """Stage 03's step: score the extra held-out splits, audit on `dev` (the pairs of `split`), write
     judge_audit.json beside the adapter, log the verdict; returns the summary that goes into
     metrics.json. It reads only scores, so a pairwise and a pointwise judge are audited alike."""
@@ -267,7 +215,7 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
             prompts = [r["prompt"] for r in rows]
             extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
                            scorer.score(prompts, [r["rejected"] for r in rows]))
-    result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed, periods)
+    result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed, periods, probes)
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
     summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],

@@ -144,15 +144,17 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
 
 def write_report(path: Path, run_name: str, results: dict, premises: list[dict], replies: dict, rewards: dict,
                  n_samples: int, plots: dict | None = None, judge_verdict: str | None = None,
-                 sections: list[str] | None = None, reading: str = "the prompt", decoding: str = "greedy") -> Path:
+                 sections: list[str] | None = None, reading: str = "the prompt", decoding: str = "greedy", *,
+                 display, nouns: dict) -> Path:
     """report.md: the metrics table (judge columns only with a judge), the task's own sections, the
-    judge's audit verdict, the plots, and sample replies side by side with the real one."""
+    judge's audit verdict, the plots, and sample replies side by side with the real one. The task
+    says how a premise is shown (`display`) and named (`nouns`: premise(s), reference(s))."""
     names = list(results)
     lines = [f"# Evaluation {run_name}", "",
-             f"{len(premises)} held-out premises; {decoding} replies to {reading}; BLEU-4 and ROUGE against the "
-             "real replies (every real reply of a premise is a reference)."]
+             f"{len(premises)} held-out {nouns['premises']}; {decoding} replies to {reading}; BLEU-4 and ROUGE "
+             f"against the {nouns['references']} (every {nouns['reference']} of a {nouns['premise']} is a reference)."]
     if rewards:
-        lines += ["Reward = the stage-03 judge's score; win rate = share of premises where the judge prefers "
+        lines += [f"Reward = the stage-03 judge's score; win rate = share of {nouns['premises']} where the judge prefers "
                   "the model's reply to the base's (ties half), with a 95% bootstrap interval; LC win rate = the "
                   "same preference with the length effect regressed out (logistic fit of the win on the length "
                   "difference, read at equal length, as AlpacaEval's length-controlled win rate)."]
@@ -174,11 +176,11 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
             lines += [f"![{caption}]({Path(plot).name})", ""]
     lines += ["", "## Sample replies", ""]
     for i, premise in enumerate(premises[:n_samples]):
-        text = premise.get("premise") or premise.get("paper", "")
+        text = display(premise)
         score = (lambda n: f" (reward {rewards[n][i]:.2f})") if rewards else (lambda n: "")
         lines += [f"### {i + 1}. {_cell(text.splitlines()[0] if text else premise['id'], 30)}", "",
                   f"> {_cell(text, 80)}", "",
-                  "| " + " | ".join(f"{n}{score(n)}" for n in names) + " | real reply |",
+                  "| " + " | ".join(f"{n}{score(n)}" for n in names) + f" | {nouns['reference']} |",
                   "| " + " | ".join("---" for _ in names) + " | --- |",
                   "| " + " | ".join(_cell(replies[n][i]) for n in names) + f" | {_cell(premise['chosen'])} |", ""]
     path.write_text("\n".join(lines) + "\n")

@@ -57,8 +57,9 @@ def test_plots_are_pngs_and_embedded_in_the_report(tmp_path):
     results = {name: {"reward_mean": float(np.mean(r)), "win_rate_vs_base": 0.5, "win_rate_vs_base_ci95": [0.4, 0.6],
                       "lc_win_rate_vs_base": 0.5, "lc_win_rate_vs_base_ci95": [0.3, 0.7], "bleu4": 0.0,
                       "rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0, "reply_words_mean": 3.0} for name, r in rewards.items()}
+    from common.tasks import cmv
     report = write_report(tmp_path / "report.md", "Nov30_Eval_Run1", results, _premises(4), replies, rewards, 2,
-                          plots, "The judge falls for pad_loser_filler.")
+                          plots, "The judge falls for pad_loser_filler.", display=cmv.display, nouns=cmv.NOUNS)
     text = report.read_text()
     for path in plots.values():
         assert f"]({path.name})" in text

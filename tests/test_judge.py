@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from common.audit import BOILERPLATE, PROBES, audit, baselines
+from common.audit import audit, baselines
 from common.config import ModelArgs
 from common.data import load_split, n_words
 from common.model import ENCODER, fingerprint, resolve_model_path
 from common.rewards import RewardScorer
 from common.runs import RunError
+from common.tasks.cmv import BOILERPLATE, PROBES
 from common.watch import WatchedReward, premise_overlap
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def _audit(score, pairs):
     train, dev = pairs[:80], pairs[80:]
     c = score([p["prompt"] for p in dev], [p["chosen"] for p in dev])
     r = score([p["prompt"] for p in dev], [p["rejected"] for p in dev])
-    return audit(score, train, dev, c, r)
+    return audit(score, train, dev, c, r, probes=PROBES)
 
 
 def length_judge(prompts, replies):

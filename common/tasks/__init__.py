@@ -11,6 +11,9 @@ A task module has:
 - `input_units(row)`: stage 01, counts of what a row holds besides itself (review: its reviews)
 - `sft_examples(row, tokenizer, config)`: stage 02, prompt/completion examples within max_length
 - `references(row)`: stage 05, the real replies a generated one is compared with
+- `display(row)` and `NOUNS`: stage 05, the text a premise is shown by, and what its report calls a
+  premise and a real reply (review: a paper, a real review)
+- `PROBES`: stage 03's shortcut probes of a judge (common/audit.py; empty where no judge trains)
 - `evaluate(premises, replies, results, pairs_run, readouts, seed)`: stage 05, the task's own metrics
 - `READOUT_SCALE`: a rating scale read from the model where a reply writes none (review: 1-6), or
   None; with it `readout_turn(reply)` (the assistant's turn the rating is read after) and

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from common.data import SENTENCE_END, DataError
+from common.data import SENTENCE_END, DataError, n_words
 
 NAME = "cmv"
 INSTRUCTION = ("Below is a post from r/ChangeMyView, where the author asks others to change their view. "
@@ -208,6 +208,15 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
              "completion": [{"role": "assistant", "content": fit_reply(tokenizer, prompt, row["chosen"], config.max_length)}]}]
 
 
+# How stage 05's report and replies.jsonl name and show what is scored.
+NOUNS = {"premise": "premise", "premises": "premises", "reference": "real reply", "references": "real replies"}
+
+
+def display(row: dict) -> str:
+    """Stage 05: the text a premise is shown by (the post's title and body)."""
+    return row["premise"]
+
+
 def references(row: dict) -> list[str]:
     """Stage 05: the winning reply."""
     return [row["chosen"]]
@@ -216,3 +225,58 @@ def references(row: dict) -> list[str]:
 def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run, readouts=None, seed: int = 42) -> dict:
     """Stage 05: CMV's metrics are the shared ones (overlap, and the judge's); nothing to add."""
     return {"baselines": {}, "per_reply": {}, "sections": [], "plots": lambda out_dir: {}}
+
+
+FILLER = ["It is important to keep this in mind.", "There are many different aspects to consider here.",
+          "This is something that is worth thinking about carefully.", "In many ways, this matters more than it seems.",
+          "When you look at it closely, the picture becomes clearer.", "All of these points are relevant to the question."]
+BOILERPLATE = ("I hope this helps you see things from a different perspective; if you weigh the evidence "
+               "carefully, I think you will find this argument convincing.")
+
+
+# --- stage 03's shortcut probes (common/audit.py): (name, which reply is edited, what a cheat wants
+# the score to do, edit, description) ---------------------------------------------------------------
+
+def pad_filler(text: str, _pair: dict) -> str:
+    """Double the reply's length (at least 20 words more) with generic filler sentences."""
+    target, extra, i = max(20, n_words(text)), [], 0
+    while sum(map(n_words, extra)) < target:
+        extra.append(FILLER[i % len(FILLER)])
+        i += 1
+    return text.rstrip() + " " + " ".join(extra)
+
+
+def repeat_sentences(text: str, _pair: dict) -> str:
+    """The reply followed by itself again: twice the length, nothing new."""
+    return text.rstrip() + "\n\n" + text.strip()
+
+
+def echo_premise(text: str, pair: dict) -> str:
+    """The reply opened by a quote of the premise's first 60 words."""
+    premise = pair.get("premise") or pair["prompt"][-1]["content"]
+    return f'You said: "{" ".join(premise.split()[:60])}"\n\n{text.strip()}'
+
+
+def append_boilerplate(text: str, _pair: dict) -> str:
+    return text.rstrip() + " " + BOILERPLATE
+
+
+def cut_half(text: str, _pair: dict) -> str:
+    """The first half of the reply's words, ending at a sentence end where one is available."""
+    target = max(1, n_words(text) // 2)
+    kept, count = [], 0
+    for sentence in SENTENCE_END.split(text.strip()):
+        if count + n_words(sentence) > target:
+            break
+        kept.append(sentence)
+        count += n_words(sentence)
+    return " ".join(kept) if kept else " ".join(text.split()[:target])
+
+
+PROBES = [
+    ("pad_loser_filler", "rejected", +1, pad_filler, "the loser padded to twice its length with filler sentences"),
+    ("pad_loser_repeat", "rejected", +1, repeat_sentences, "the loser's own text repeated (twice the length)"),
+    ("echo_premise_in_loser", "rejected", +1, echo_premise, "the premise's first 60 words quoted at the top of the loser"),
+    ("boilerplate_on_loser", "rejected", +1, append_boilerplate, "a persuasive-sounding boilerplate sentence appended to the loser"),
+    ("cut_winner_half", "chosen", -1, cut_half, "the winner cut to half its length (at a sentence end)"),
+]

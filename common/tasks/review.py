@@ -309,6 +309,7 @@ def to_examples(row, where: str, review_target: str = "merged"):
 
 # --- the task's hooks for the stages (common/tasks/__init__.py) ----------------------------------
 
+PROBES = ()  # no judge trains on reviews: no shortcut probes
 PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-balance, 04 generates rejected
 
 
@@ -409,6 +410,15 @@ def readout_turn(reply: str) -> str:
     when it has none), then RATING_HEADER."""
     cut = _RATING_SECTION.search(reply)
     return f"{(reply[:cut.start()] if cut else reply).rstrip()}\n{RATING_HEADER}"
+
+
+# How stage 05's report and replies.jsonl name and show what is scored.
+NOUNS = {"premise": "paper", "premises": "papers", "reference": "real review", "references": "real reviews"}
+
+
+def display(row: dict) -> str:
+    """Stage 05: the text a paper is shown by (title, abstract, body)."""
+    return row["paper"]
 
 
 def references(row: dict) -> list[str]:
