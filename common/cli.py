@@ -201,6 +201,16 @@ def check_versions() -> None:
                               f"(requirements.txt pins the tested versions)")
 
 
+def check_private_names() -> None:
+    """One `error:` line at start-up when a TRL or transformers release lacks a private name the stages
+    rely on (common/trl_compat.py lists them)."""
+    from common import trl_compat
+    try:
+        trl_compat.check()
+    except trl_compat.CompatError as err:
+        raise ConfigError(str(err)) from None
+
+
 def cli(main, config_cls, doc: str = "") -> None:
     """Entry point of a stage: `--help`, then main(config, overrides). Bad settings, inputs and data
     end with one `error: ...` line (also written to the run's log when the run directory exists)."""
@@ -211,6 +221,7 @@ def cli(main, config_cls, doc: str = "") -> None:
         return
     try:
         check_versions()
+        check_private_names()
         main(*parse_config(config_cls))
     except (ConfigError, RunError, DataError) as err:
         _to_run_log(f"error: {err}")
