@@ -2,10 +2,16 @@
 through the real command line."""
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -45,6 +51,32 @@ def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedPro
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def run_in_process(script: str, *args) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` without a new interpreter (fast enough for property tests): the script runs as
+    __main__, so through its own `cli(...)`; exit status, stdout and stderr as the interpreter gives them."""
+    argv = [str(REPO / script), *map(str, args)]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exit_:
+            if isinstance(exit_.code, str):
+                print(exit_.code, file=err)
+            code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:
+            traceback.print_exc(file=err)
+            code = 1
+        finally:
+            for handler in root.handlers[:]:  # a failed run leaves its log handler attached
+                if handler not in handlers:
+                    root.removeHandler(handler)
+                    handler.close()
+            root.setLevel(level)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def load_stage(filename: str):

@@ -12,24 +12,17 @@ because a subprocess per example would be ~20x slower.
 """
 from __future__ import annotations
 
-import contextlib
 import gzip
-import io
 import json
-import logging
 import re
-import runpy
 import subprocess
-import sys
 import tempfile
-import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import pytest
-from conftest import REPO, run_dir_of, run_stage
+from conftest import REPO, run_dir_of, run_in_process, run_stage
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -309,31 +302,8 @@ def test_an_empty_file_among_good_ones_is_named(tmp_path):
 # --- property-based: random corruptions of real lines ----------------------------------------------------
 
 def _run_in_process(*args) -> subprocess.CompletedProcess:
-    """`python 01_build_pairs.py ARGS` without a new interpreter: the script runs as __main__ (so through
-    its own `cli(main, PairsConfig)`: parse_config, main, the one-line error); exit status and stderr as
-    the interpreter would give them."""
-    script = REPO / "01_build_pairs.py"
-    argv = [str(script), *map(str, args)]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(str(script), run_name="__main__")
-        except SystemExit as exit_:
-            if isinstance(exit_.code, str):  # sys.exit("error: ..."): printed to stderr, exit status 1
-                print(exit_.code, file=err)
-            code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
-        except Exception:  # an uncaught exception: the interpreter prints a traceback, status 1
-            traceback.print_exc(file=err)
-            code = 1
-        finally:
-            for handler in root.handlers[:]:  # a failed run leaves its log handler attached
-                if handler not in handlers:
-                    root.removeHandler(handler)
-                    handler.close()
-            root.setLevel(level)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    """`python 01_build_pairs.py ARGS` in this process (conftest.run_in_process)."""
+    return run_in_process("01_build_pairs.py", *args)
 
 
 _N_PROPERTY_ROWS = 160  # with fewer, some random regroupings leave the test split without pairs after balancing

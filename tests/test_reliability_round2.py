@@ -10,22 +10,16 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import io
 import json
-import logging
 import os
-import runpy
 import shutil
 import subprocess
-import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
-from conftest import REPO, load_stage, run_dir_of
+from conftest import REPO, load_stage, run_dir_of, run_in_process
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -41,28 +35,7 @@ N_PAPERS = 8  # one dev and one test paper, six to train on
 # --- running a stage --------------------------------------------------------------------------------
 
 def _run(script: str, *args) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` in this process: exit status, stdout and stderr as the interpreter gives them."""
-    argv = [str(REPO / script), *map(str, args)]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(argv[0], run_name="__main__")
-        except SystemExit as exit_:
-            if isinstance(exit_.code, str):
-                print(exit_.code, file=err)
-            code = 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 1
-        except Exception:
-            traceback.print_exc(file=err)
-            code = 1
-        finally:
-            for handler in root.handlers[:]:  # a failed run leaves its log handler attached
-                if handler not in handlers:
-                    root.removeHandler(handler)
-                    handler.close()
-            root.setLevel(level)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return run_in_process(script, *args)
 
 
 def _error(proc, runs: Path | None = None) -> str:
@@ -258,7 +231,8 @@ def _judge(tmp_path, name: str, rows: list[dict], split: str = "train"):
     path.mkdir()
     write_train_posts(path, split, rows)
     return str(path), SimpleNamespace(judge_objective="pairwise", judge_backbone="lora_4bit",
-                                      judge_model_name_or_path=None, model_name_or_path="m", train_split=split)
+                                      judge_model_name_or_path=None, model_name_or_path="m", train_split=split,
+                                      pairs_run=str(tmp_path / "its_pairs_run"))
 
 
 def _premises(n: int) -> list[dict]:
