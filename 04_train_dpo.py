@@ -101,7 +101,7 @@ def preference_dataset(rows, prompts, rejected, tokenizer, config: DPOStageConfi
 def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Dataset):
     if config.loss == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # experimental: common/trl_compat.py
         args = trainer_args(ORPOConfig, config, run, max_length=config.max_length, beta=config.beta)
         trainer = ORPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     else:

@@ -46,7 +46,7 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
                         temperature=config.temperature, beta=config.beta, log_completions=False)
     rollout = None
     if config.rollout_backend == "static" and supports_fast_decode(policy):
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental: common/trl_compat.py
         rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
                                config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2FN  # internal, as are Llama's head_dim, scaling, rotary_emb: trl_compat
 
 from common import nf4_matmul
 

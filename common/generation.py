@@ -118,7 +118,7 @@ def eos_ids(model, tokenizer) -> list[int]:
 def _prefill(lm, ids, positions, mask, store):
     """The decoder over prompt `ids` (B, T) through the model's own modules, attention by SDPA with
     `mask` (B, 1, T, T), each layer's K/V handed to `store(layer, k, v)`; returns last-position logits (B, V)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # internal: common/trl_compat.py
     core = lm.model
     h = core.embed_tokens(ids)
     cos, sin = core.rotary_emb(h, positions)
@@ -284,7 +284,7 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, 
     copies of the base weights instead of dequantising the 4-bit ones (`DecodeStep`)."""
     def rollout(prompts, trainer):
         tokenizer = trainer.processing_class
-        if hasattr(trainer, "_tokenize_prompts"):
+        if hasattr(trainer, "_tokenize_prompts"):  # private: common/trl_compat.py
             prompt_ids = trainer._tokenize_prompts(prompts)[0]
         else:
             prompt_ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
@@ -292,7 +292,7 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, 
         model = trainer.accelerator.unwrap_model(trainer.model)
         was_training = model.training
         model.eval()
-        eos = list(getattr(trainer, "eos_token_ids", None) or eos_ids(model, tokenizer))
+        eos = list(getattr(trainer, "eos_token_ids", None) or eos_ids(model, tokenizer))  # TRL's: trl_compat
         completions = []
         for start in range(0, len(prompt_ids), batch_size):
             completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,

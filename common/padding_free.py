@@ -24,6 +24,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from common.model import unwrap_peft
 from common.shared_prompt import common_prefix, pack
+from common.trl_compat import attn_implementation
 
 
 def packed_rewards(classifier, rows: list[list[list[torch.Tensor]]], attention: str) -> torch.Tensor:
@@ -64,7 +65,7 @@ def unpad_rows(model, share_prompt: bool = False) -> str:
     classifier = unwrap_peft(model)
     # For good, not per call: gradient checkpointing runs each layer's forward again in backward, after
     # the call has returned, and that recompute must find the attention the mask was built for.
-    padded_attention = classifier.config._attn_implementation
+    padded_attention = attn_implementation(classifier)
     if padded_attention != attention:
         classifier.set_attn_implementation(attention)
     forward = model.forward

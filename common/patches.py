@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from common import padding_free, shared_prompt, token_budget
+from common import padding_free, shared_prompt, token_budget, trl_compat
 from common.config import GRPOStageConfig, TrainArgs
 from common.model import unwrap_peft
 
@@ -90,9 +90,7 @@ def add_length_column(trainer) -> bool:
     if not id_columns:
         return False
     trainer.train_dataset = data.map(lambda row: {name: max(len(row[c]) for c in id_columns)})
-    # TRL's private column filter would drop the new column; tests/test_patches.py fails when it changes.
-    trainer._set_signature_columns_if_needed()
-    trainer._signature_columns = list(trainer._signature_columns) + [name]
+    trl_compat.keep_column(trainer, name)  # TRL's column filter would drop the new column
     return True
 
 
@@ -102,13 +100,13 @@ def apply_liger_kernels(trainer) -> bool:
     `use_liger_kernel=True` would also swap in Liger's fused cross-entropy forward, which a sequence
     classifier lacks (lm_head error) and which TRL's own fused LM head replaces anyway."""
     try:
-        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance  # private: trl_compat
     except ImportError:
         log.warning("liger_kernel: true but the liger-kernel package is missing (pip install liger-kernel==0.8.5): "
                     "training runs without its kernels, slower")
         return False
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
-    from transformers.models.llama import modeling_llama
+    from transformers.models.llama import modeling_llama  # apply_rotary_pos_emb replaced: common/trl_compat.py
     judges = [getattr(f, "scorer", f) for f in getattr(trainer, "reward_funcs", [])]  # WatchedReward wraps one
     models = [trainer.model] + [getattr(j, "model", None) for j in judges]
     for model in models:

@@ -25,6 +25,7 @@ from common.config import ModelArgs, RewardStageConfig, load_run_config
 from common.data import fit_prompt, fit_reply, read_json, token_ids, truncate_tokens
 from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer, unwrap_peft
 from common.runs import RunError
+from common.trl_compat import attn_implementation
 
 log = logging.getLogger("pipeline")
 
@@ -82,7 +83,7 @@ def set_up_like_reward_trainer(model, gradient_checkpointing: bool) -> None:
     two objectives differ only in their loss: dropout off (RewardConfig.disable_dropout); a 4-bit
     judge's trainable LoRA and head weights in bf16 (TRL's QLoRA rule; the saved adapter then reloads
     to exactly the scores the judge was measured with); input gradients for checkpointing a PeftModel."""
-    from trl.trainer.utils import disable_dropout_in_model
+    from trl.trainer.utils import disable_dropout_in_model  # internal: common/trl_compat.py
     disable_dropout_in_model(model)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(unwrap_peft(model), "is_loaded_in_4bit", False):
         for name, param in model.named_parameters():
@@ -179,7 +180,7 @@ class RewardScorer:
         rows padded, since its dense mask costs the square of the row's length."""
         from common.padding_free import packed_rewards
         classifier = unwrap_peft(self.model)
-        attention = classifier.config._attn_implementation
+        attention = attn_implementation(classifier)
         one_row = attention == "flex_attention"
         groups: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):

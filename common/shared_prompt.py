@@ -37,7 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl.trainer.dpo_trainer import DataCollatorForPreference
+from trl.trainer.dpo_trainer import DataCollatorForPreference  # internal: common/trl_compat.py
+
+from common.trl_compat import attn_implementation
 
 SHARED_KEYS = ("shared_input_ids", "shared_position_ids", "shared_labels", "shared_branch", "shared_gather")
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -112,7 +114,7 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
     returns the one it runs."""
     attention = attention if torch.cuda.is_available() else "sdpa"
     inner = model.get_base_model()
-    if inner.config._attn_implementation != attention:
+    if attn_implementation(inner) != attention:
         inner.set_attn_implementation(attention)
     forward = model.forward
 
@@ -129,7 +131,7 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
         branch = shared["shared_branch"]
         out = forward(input_ids=ids, position_ids=shared["shared_position_ids"],
                       attention_mask=branch_mask(torch.where(branch >= 0, 0, -1), branch,
-                                                 model.config._attn_implementation),
+                                                 attn_implementation(model)),
                       labels=shared["shared_labels"], **kwargs)
         keep = labels[:, 1:] != -100
         for field in PER_TOKEN_FIELDS:
@@ -215,12 +217,12 @@ def share_grpo_prompts(trainer, attention: str = "flex_attention") -> str:
     divides by all its tokens). The log-probs and entropies are handed back in TRL's (rows, reply
     tokens) layout, so TRL's loss and metrics are its own (tests/test_shared_prompt.py). Returns the
     attention the model runs: `attention` on a GPU, sdpa on the CPU."""
-    from trl.trainer.utils import split_tensor_dict
+    from trl.trainer.utils import split_tensor_dict  # internal, as are the trainer's names below: common/trl_compat.py
 
     from common.model import unwrap_peft
     attention = attention if torch.cuda.is_available() else "sdpa"
     inner = unwrap_peft(trainer.model)
-    if inner.config._attn_implementation != attention:
+    if attn_implementation(inner) != attention:
         inner.set_attn_implementation(attention)
     original_logps, original_prepare = trainer._get_per_token_logps_and_entropies, trainer._prepare_inputs
 

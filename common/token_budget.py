@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Sampler
 
+from common import trl_compat
+
 log = logging.getLogger("pipeline")
 
 
@@ -114,8 +116,8 @@ def _example_lengths(trainer) -> tuple[list[int], int]:
 def batch_by_tokens(trainer, budget: int) -> None:
     """The trainer's training DataLoader draws TokenBudgetBatchSampler's micro-batches; the rest is the
     Trainer's: its column filter, collator, worker seeding and accelerate's prepare (device placement,
-    sharding over processes). Replaces the public `get_train_dataloader`; `_remove_unused_columns`
-    is private (tests/test_patches.py fails when it changes)."""
+    sharding over processes). Replaces `get_train_dataloader` on the trainer; the column filter is
+    private (common/trl_compat.py)."""
     from transformers.trainer_utils import seed_worker
 
     def get_train_dataloader():
@@ -127,7 +129,7 @@ def batch_by_tokens(trainer, budget: int) -> None:
                  "each; %.1f%% of them real)", budget, len(lengths), len(sampler), len(lengths) / len(sampler),
                  padded / len(sampler), 100 * max(rows, 1) * sum(lengths) / padded)
         args = trainer.args
-        data = trainer._remove_unused_columns(trainer.train_dataset, description="Training")
+        data = trl_compat.remove_unused_columns(trainer, trainer.train_dataset, description="Training")
         loader = DataLoader(data, batch_sampler=sampler, collate_fn=trainer.data_collator,
                             num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
                             worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers,
@@ -142,7 +144,8 @@ def weigh_pairs_per_step(trainer) -> None:
     is in. `get_batch_samples` (the Trainer fetching a step's micro-batches) counts the step's pairs,
     over every process; each micro-batch's loss, TRL's mean over its pairs, is then scaled by its
     pairs x processes / the step's pairs, and the Trainer told not to divide it again
-    (`loss_is_scaled_for_ga`). Evaluation losses stay TRL's."""
+    (`loss_is_scaled_for_ga`). Evaluation losses stay TRL's. What the Trainer must still do with these
+    hooks is checked in common/trl_compat.py."""
     get_batch_samples, compute_loss = trainer.get_batch_samples, trainer.compute_loss
     step = {}
 

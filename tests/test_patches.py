@@ -1,5 +1,6 @@
 """The private names of TRL and Liger that the pipeline relies on: each test fails as soon as a
-new release renames one, instead of a stage silently losing the change it asked for."""
+new release renames one, instead of a stage silently losing the change it asked for. common/trl_compat.py
+lists them all (tests/test_trl_compat.py checks each); these also check how the patches use them."""
 from __future__ import annotations
 
 import inspect
@@ -26,6 +27,7 @@ def test_length_column_survives_the_column_filter(tiny_model):
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from common import trl_compat
     from common.patches import add_length_column
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
@@ -35,7 +37,7 @@ def test_length_column_survives_the_column_filter(tiny_model):
                             train_sampling_strategy="group_by_length")
     trainer = trl.RewardTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=data)
     assert add_length_column(trainer)
-    kept = trainer._remove_unused_columns(trainer.train_dataset)
+    kept = trl_compat.remove_unused_columns(trainer, trainer.train_dataset)
     assert "length" in kept.column_names and kept["length"] == [3] * 4
 
 
