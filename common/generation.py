@@ -118,7 +118,8 @@ def eos_ids(model, tokenizer) -> list[int]:
 def _prefill(lm, ids, positions, mask, store):
     """The decoder over prompt `ids` (B, T) through the model's own modules, attention by SDPA with
     `mask` (B, 1, T, T), each layer's K/V handed to `store(layer, k, v)`; returns last-position logits (B, V)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # internal: common/trl_compat.py
+    # Llama's internals, here and below (head_dim, scaling, rotary_emb): common/trl_compat.py
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     core = lm.model
     h = core.embed_tokens(ids)
     cos, sin = core.rotary_emb(h, positions)

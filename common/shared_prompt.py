@@ -293,7 +293,7 @@ def _branch_logps(trainer, model, input_ids, attention_mask, n_reply, attention)
     labels[0, packed.starts.to(labels.device)] = -100  # a branch's copy of the prompt's last token: no reply token
     with trainer.accelerator.autocast():
         out = model(input_ids=packed.ids, position_ids=packed.positions, labels=labels,
-                    attention_mask=packed.mask(attention), fused_lm_head=True)
+                    attention_mask=packed.mask(attention), fused_lm_head=True)  # TRL's: common/trl_compat.py
     # Row r's k-th reply token sits at start + 1 + k, and its prediction at start + k of the shifted output.
     index = torch.zeros(len(ids), n_reply, dtype=torch.long)
     valid = torch.zeros(len(ids), n_reply, dtype=torch.bool)

@@ -136,7 +136,7 @@ def batch_by_tokens(trainer, budget: int) -> None:
                                                    rank=args.process_index))
         return trainer.accelerator.prepare(loader)
 
-    trainer.get_train_dataloader = get_train_dataloader
+    trainer.get_train_dataloader = get_train_dataloader  # replaced on the trainer: common/trl_compat.py
 
 
 def weigh_pairs_per_step(trainer) -> None:
@@ -165,6 +165,7 @@ def weigh_pairs_per_step(trainer) -> None:
         scale = pairs * trainer.accelerator.num_processes / step["pairs"]
         return (out[0] * scale, *out[1:]) if return_outputs else out * scale
 
+    # Replaced on the trainer; what the Trainer must still do with them: common/trl_compat.py.
     trainer.get_batch_samples, trainer.compute_loss = counting_batch_samples, weighted_loss
     trainer.loss_is_scaled_for_ga = True
 
