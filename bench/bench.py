@@ -62,6 +62,7 @@ from transformers import TrainerCallback  # noqa: E402
 from common.config import DPOStageConfig, GRPOStageConfig, RewardStageConfig, SFTStageConfig  # noqa: E402
 from common.provenance import bench_commit  # noqa: E402
 from common.tasks import cmv  # noqa: E402
+from common.trl_compat import attn_implementation  # noqa: E402
 
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
 LENGTHS = REPO / "bench" / "cmv_lengths.json"
@@ -582,7 +583,7 @@ class Bench:
         fresh_adapter(self.policy)
         run = self.run_dir(f"review_dpo_{P}_{setting}", task="review")
         model = unwrap_peft(self.policy)
-        loaded_attn = model.config._attn_implementation
+        loaded_attn = attn_implementation(model)
         built_s = None
         try:
             if ours:
@@ -606,7 +607,7 @@ class Bench:
             for name, p in self.policy.named_parameters():
                 if name in dtypes and p.dtype != dtypes[name]:
                     p.data = p.data.to(dtypes[name])
-            if model.config._attn_implementation != loaded_attn:
+            if attn_implementation(model) != loaded_attn:
                 model.set_attn_implementation(loaded_attn)
             if ours:
                 _remove_offload_hooks(self.policy)
@@ -771,7 +772,7 @@ class Bench:
         from common.model import unwrap_peft
         for attr in ("forward", "padding_free"):
             self.judge_model.__dict__.pop(attr, None)
-        if unwrap_peft(self.judge_model).config._attn_implementation != "sdpa":
+        if attn_implementation(unwrap_peft(self.judge_model)) != "sdpa":
             unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
 
     # GRPO ------------------------------------------------------------------------------------------
@@ -793,7 +794,7 @@ class Bench:
         self.tokenizer.padding_side = "left"
         prompts = self.grpo_mod.prompt_dataset(str(pairs), self.tokenizer, cfg)
         fresh_adapter(self.policy)
-        if unwrap_peft(self.policy).config._attn_implementation != "sdpa":  # an earlier row's shared prompt
+        if attn_implementation(unwrap_peft(self.policy)) != "sdpa":  # an earlier row's shared prompt
             unwrap_peft(self.policy).set_attn_implementation("sdpa")
         self.plain_judge()
         self.judge_model.eval()
@@ -802,7 +803,7 @@ class Bench:
                                            cfg.reward_batch_size))
         trainer = self.grpo_mod.build_trainer(cfg, self.run_dir("grpo"), self.policy, judge, prompts, self.tokenizer)
         timing = {"rollout_s": [], "new_tokens": [], "reward_s": [], "prefill_s": [], "peak_after_rollout": []}
-        generate = trainer._generate
+        generate = trainer._generate  # private, wrapped below: common/trl_compat.py
         import common.generation as gen
         capture, t_start = gen._capture, []
 

@@ -118,7 +118,7 @@ def batch_by_tokens(trainer, budget: int) -> None:
     Trainer's: its column filter, collator, worker seeding and accelerate's prepare (device placement,
     sharding over processes). Replaces `get_train_dataloader` on the trainer; the column filter is
     private (common/trl_compat.py)."""
-    from transformers.trainer_utils import seed_worker
+    from transformers.trainer_utils import seed_worker  # its parameters: common/trl_compat.py
 
     def get_train_dataloader():
         lengths, rows = example_sizes(trainer)
