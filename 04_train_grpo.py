@@ -56,8 +56,15 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
     # does not know: recorded either way.
     run.manifest["backends"] = patches.backends(config, run.manifest["patches"],
                                                 decoder="static" if rollout else "trl_generate",
-                                                judge_scoring="packed" if judge.scorer.packed else "padded")
+                                                judge_scoring=judge_scoring(judge))
     return trainer
+
+
+def judge_scoring(judge) -> str:
+    """How the judge scores the replies: packed (the replies to a premise sharing it) or padded rows;
+    a plain reward function is recorded as such."""
+    scorer = getattr(judge, "scorer", None)
+    return "reward function" if scorer is None else "packed" if scorer.packed else "padded"
 
 
 def main(config: GRPOStageConfig, overrides: dict) -> None:
