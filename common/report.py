@@ -135,7 +135,7 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
             j = r["by_judge"][name]
             out.append(f"| {model} | {_fmt(j['reward_mean'])} | {_with_ci(j, 'win_rate_vs_base')} | "
                        f"{_with_ci(j, 'lc_win_rate_vs_base')} | {_with_ci(j, 'win_rate_vs_sft')} | "
-                       f"{_with_ci(j, 'lc_win_rate_vs_sft')} | {r['reply_words_mean']:.0f} | "
+                       f"{_with_ci(j, 'lc_win_rate_vs_sft')} | {_fmt(r.get('reply_words_mean'), 0)} | "
                        f"{_fmt(r.get('distinct_2'))} |")
     if lines:
         out += [""] + lines
