@@ -116,8 +116,8 @@ def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Datase
         trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                              data_collator=collator)
     run.manifest["patches"] = patches.apply(trainer, config)
-    decoder = run.manifest.get("decoder", {}).get("backend")  # when the rejected replies were generated
-    run.manifest["backends"] = patches.backends(config, run.manifest["patches"], **({"decoder": decoder} if decoder else {}))
+    generated = {"decoder": decoder_for(model, config.fast_paths)} if "decoding" in run.manifest else {}
+    run.manifest["backends"] = patches.backends(config, run.manifest["patches"], **generated)
     return trainer
 
 
@@ -148,7 +148,7 @@ def main(config: DPOStageConfig, overrides: dict) -> None:
     n_generated = sum(text is not None for text in rejected)
     run.manifest["rejected_from"] = config.rejected_from if n_generated else "pairs_run"
     if n_generated:
-        run.manifest["decoder"] = {"backend": decoder_for(model, config.fast_paths), **config.decoding()}
+        run.manifest["decoding"] = config.decoding()
     run.save_manifest()
     dataset = preference_dataset(rows, prompts, rejected, tokenizer, config)
     log.info("%s on %d pairs (%d rejected replies generated)", config.stage, len(dataset), n_generated)

@@ -10,10 +10,10 @@ reply to the prompt cut to `max_prompt_tokens` (for a paper: its head, the first
 says so): greedy, or as the decoding fields say (`repetition_penalty`, `no_repeat_ngram_size`,
 `temperature` with `seed`). A review without a parseable rating still gets the model's own: its
 next-token distribution over the scale after the review and the rating header (common/readout.py;
-`reading: all_windows` reads it on every window of the paper and averages). Replies are compared with the real ones (BLEU-4, ROUGE-1/2/L; against every
-real review of a paper). With a `--reward_run`, the stage-03 judge scores every reply, and each
-adapter's win rate against the base comes with a 95% bootstrap interval, and so does its
-length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval). With
+`reading: all_windows` reads it on every window of the paper and averages). Replies are compared
+with the real ones (BLEU-4, ROUGE-1/2/L; against every real review of a paper). With a
+`--reward_run`, the stage-03 judge scores every reply, and each adapter's win rate against the base
+(and against SFT) comes with a 95% bootstrap interval, and so does its length-controlled win rate (the judge's length effect regressed out, as in AlpacaEval). With
 `--judge_runs`, more judges score the same replies, each reported under its run name (eval.json
 `judges` and each model's `by_judge`, a table in report.md); a judge that trained on any scored
 premise is refused, and the report says when a model gains under its training judge (--reward_run)
@@ -88,8 +88,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
                        adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
     for name in names[1:]:
         model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
-    run.manifest["decoder"] = {"backend": decoder_for(model, config.fast_paths), **config.decoding()}
-    run.manifest["backends"] = patches.backends(config, [], decoder=run.manifest["decoder"]["backend"],
+    run.manifest["decoding"] = config.decoding()
+    run.manifest["backends"] = patches.backends(config, [], decoder=decoder_for(model, config.fast_paths),
                                                 judge_scoring={})
     windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
         if task.READOUT_SCALE and config.reading == "all_windows" else None
@@ -109,9 +109,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     #    base (plain and length-controlled); the task's own metrics (review: ratings, baselines).
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
     results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
-                      "reply_words_mean": sum(words[name]) / max(1, len(texts))} for name, texts in replies.items()}
-    for name, texts in replies.items():
-        results[name]["distinct_2"] = distinct_n(texts, 2)
+                      "reply_words_mean": sum(words[name]) / max(1, len(texts)), "distinct_2": distinct_n(texts, 2)}
+               for name, texts in replies.items()}
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in judge_runs.items():  # one judge in memory at a time

@@ -37,11 +37,14 @@ def read_scale(model, tokenizer, prompts: list[list[dict]], turns: list[str], sc
     values = list(range(scale[0], scale[1] + 1))
     if not prompts:
         return []
-    rows, starts = [], None
+    rows, starts, encoded = [], [], {}  # encoded: each distinct turn once (all_windows reads one per window)
     for prompt, turn in zip(prompts, turns):
         head = token_ids(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
-        ids, starts = value_tokens(tokenizer, turn, values)
+        if turn not in encoded:
+            encoded[turn] = value_tokens(tokenizer, turn, values)
+        ids, first = encoded[turn]
         rows.append(head + ids)
+        starts.append(first)
     lm = unwrap_peft(model)
     device = lm.model.embed_tokens.weight.device
     was_training = model.training
@@ -64,7 +67,7 @@ def read_scale(model, tokenizer, prompts: list[list[dict]], turns: list[str], sc
         last = hidden[torch.arange(len(batch)), mask.sum(1).to(device) - 1]
         logits = lm.lm_head(last).float()
         for r, j in enumerate(batch):
-            out[j] = _summary(logits[r], starts, values)
+            out[j] = _summary(logits[r], starts[j], values)
         batch = [i] if i is not None else []
     model.train(was_training)
     return out
@@ -89,7 +92,9 @@ def rating_readouts(model, tokenizer, task, prompts: list[list[dict]], replies: 
         owner = [i for i, ws in enumerate(windows) for _ in ws]
         reads = read_scale(model, tokenizer, [w for ws in windows for w in ws], [turns[i] for i in owner],
                            task.READOUT_SCALE)
-        for i in range(len(out)):
-            each = [r["expected"] for r, j in zip(reads, owner) if j == i]
-            out[i]["all_windows"] = {"expected": sum(each) / len(each), "n_windows": len(each), "per_window": each}
+        per_paper = [[] for _ in out]
+        for read, i in zip(reads, owner):
+            per_paper[i].append(read["expected"])
+        for read, each in zip(out, per_paper):
+            read["all_windows"] = {"expected": sum(each) / len(each), "n_windows": len(each), "per_window": each}
     return out

@@ -36,6 +36,16 @@ def tiny_model() -> Path:
     return ensure("tiny", TINY)
 
 
+def random_lora(model, seed: int, std: float = 0.05) -> None:
+    """LoRA B starts at zero: random B weights give the adapter a real effect (a dropped, misplaced or
+    mis-scaled LoRA then shows)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+
+
 def exact_fp32() -> None:
     """Equivalence tests compare in fp32 to float precision; on a GPU the trainers turn on TF32 matmuls
     (common.model.precision_flags), which round to 10 bits of mantissa: off again for the comparison."""

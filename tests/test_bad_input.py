@@ -1,4 +1,4 @@
-"""Stage 01 fed corrupt real lines ends in exactly one of two ways (issue 10):
+"""Stage 01 fed corrupt real lines ends in exactly one of two ways:
 
 (a) it stops: exit code != 0, stderr's last line is `error: ...` naming the file (and `:LINE` where
     there is one), no traceback, and no run directory marked DONE;

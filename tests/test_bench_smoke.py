@@ -15,6 +15,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
+from conftest import random_lora  # noqa: E402
+
 import bench  # noqa: E402
 
 
@@ -27,7 +29,7 @@ def lora_tiny(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    _random_lora(model, 0)
+    random_lora(model, 0)
     return model.eval(), AutoTokenizer.from_pretrained(tiny_model)
 
 
@@ -77,14 +79,6 @@ def four_bit_lora(tiny_model):
     return load_model(args, CAUSAL_LM, tokenizer=tok).eval(), tok
 
 
-def _random_lora(model, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-
-
 @pytest.mark.parametrize("weights", ["nf4", "bf16"])
 def test_fused_decode_step_gives_the_models_own_logits(four_bit_lora, weights):
     """One fused step (stacked q/k/v and gate/up, batched LoRA, folded residuals, 4-bit or bf16 base)
@@ -94,7 +88,7 @@ def test_fused_decode_step_gives_the_models_own_logits(four_bit_lora, weights):
     from common.generation import _prefill
     from common.model import unwrap_peft
     model, _ = four_bit_lora
-    _random_lora(model, 3)
+    random_lora(model, 3)
     lm = unwrap_peft(model)
     dev = lm.model.embed_tokens.weight.device
     ids = torch.tensor([[0, 3, 442, 271, 4] + list(range(10, 17)), [0, 3, 442, 271, 4] + list(range(40, 47))], device=dev)
@@ -131,7 +125,7 @@ def test_rollouts_on_bf16_base_weights_equal_the_4bit_decode_and_follow_the_live
         return decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, prefill_tokens=40, weights=weights)
 
     for seed in (1, 2):  # two different adapters: the second one after the bf16 copies exist
-        _random_lora(model, seed)
+        random_lora(model, seed)
         assert greedy("bf16") == greedy("nf4"), seed
     layers = len(model.get_base_model().model.layers)
     assert len(model._dense_base) == 4 * layers  # q/k/v, o, gate/up and down of each layer, once

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import REPO, run_dir_of, run_stage
+from conftest import REPO, random_lora, run_dir_of, run_stage
 
 from common.config import ConfigError, EvalConfig
 from common.data import load_split, token_ids
@@ -27,11 +27,7 @@ def nf4_tiny(tiny_model):
     args = ModelArgs(model_name_or_path=str(tiny_model))
     tok = load_tokenizer(args)
     model = load_model(args, CAUSAL_LM, tokenizer=tok).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    random_lora(model, 0)
     return model, tok
 
 

@@ -443,7 +443,8 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
     readouts = readouts or {}
     per_reply, pairs = {}, {}
     for name, texts in replies.items():
-        parsed = [parse_review(t)["overall"] for t in texts]
+        written = [parse_review(t) for t in texts]
+        parsed = [w["overall"] for w in written]
         ok = [i for i, p in enumerate(parsed) if p is not None]
         rated = rating_metrics([parsed[i] for i in ok], [gold[i] for i in ok], seed)
         rated["n_rated"] = rated.pop("n")  # the model's `n` stays the number of replies
@@ -451,8 +452,8 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
             format_compliance=len(ok) / len(texts) if texts else None,
             unparsed=[premises[i]["id"] for i in range(len(texts)) if parsed[i] is None], **rated)
         per_reply[name] = [{"rating": p, "rating_source": "parsed" if p is not None else None,
-                            "confidence": parse_review(t)["confidence"], "human_rating": g}
-                           for p, t, g in zip(parsed, texts, gold)]
+                            "confidence": w["confidence"], "human_rating": g}
+                           for p, w, g in zip(parsed, written, gold)]
         pairs[name] = [(parsed[i], gold[i]) for i in ok]
         if name in readouts:
             read = readouts[name]
