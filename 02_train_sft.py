@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 
-from common import patches
+from common import fast
 from common.cli import cli
 from common.config import SFTStageConfig
 from common.data import train_and_dev
@@ -43,8 +43,8 @@ def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
                          train_dataset=sft_dataset(train_rows, tokenizer, config, task),
                          eval_dataset=sft_dataset(dev_rows, tokenizer, config, task) if dev_rows else None)
-    run.manifest["patches"] = patches.apply(trainer, config)
-    run.manifest["backends"] = patches.backends(config, run.manifest["patches"])
+    run.manifest["patches"] = fast.apply(trainer, config)
+    run.manifest["backends"] = fast.backends(config, run.manifest["patches"])
     return trainer
 
 

@@ -26,7 +26,7 @@ import logging
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments, set_seed
 from trl import RewardConfig, RewardTrainer
 
-from common import patches
+from common import fast
 from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig, load_run_config
@@ -94,8 +94,8 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                           train_dataset=train_set, eval_dataset=pointwise_dataset(dev_rows, scorer) if stopping else None,
                           processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
                           compute_loss_func=pointwise_loss, callbacks=callbacks)
-    run.manifest["patches"] = patches.apply(trainer, config)
-    run.manifest["backends"] = patches.backends(config, run.manifest["patches"],
+    run.manifest["patches"] = fast.apply(trainer, config)
+    run.manifest["backends"] = fast.backends(config, run.manifest["patches"],
                                                 judge_scoring="packed" if scorer.packed else "padded")
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:

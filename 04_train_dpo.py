@@ -33,15 +33,14 @@ from pathlib import Path
 from datasets import Dataset
 from transformers import set_seed
 
-from common import patches
+from common import fast
 from common.cli import cli
 from common.config import DPOStageConfig
 from common.data import DataError, fit_prompt, fit_reply, load_split, read_jsonl, write_jsonl
-from common.generation import decoder_for, generate_replies
+from common.generation import decoder_backends, generate_replies
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.provenance import sha256_file
 from common.runs import Run, RunError
-from common.shared_prompt import SharedPromptCollator, share_prompt
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -108,16 +107,16 @@ def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Datase
         from trl import DPOConfig, DPOTrainer
         args = trainer_args(DPOConfig, config, run, max_length=config.max_length, beta=config.beta,
                             loss_type=["sigmoid"], precompute_ref_log_probs=config.precompute_ref_log_probs)
-        collator = None
-        if config.shared_prompt:  # before the trainer: TRL may precompute reference log-probs when built
-            run.manifest["shared_prompt_attention"] = share_prompt(model, config.shared_prompt_attention)
-            collator = SharedPromptCollator(pad_token_id=tokenizer.pad_token_id, max_length=config.max_length)
+        collator, attention = fast.one_sequence_collator(model, tokenizer, config)  # None: TRL's own
+        if attention:
+            run.manifest["one_sequence_attention"] = attention
         # On a PeftModel TRL adds the frozen `ref` copy of the SFT adapter as the reference.
         trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                              data_collator=collator)
-    run.manifest["patches"] = patches.apply(trainer, config)
-    generated = {"decoder": decoder_for(model, config.fast_paths)} if "decoding" in run.manifest else {}
-    run.manifest["backends"] = patches.backends(config, run.manifest["patches"], **generated)
+    run.manifest["patches"] = fast.apply(trainer, config)
+    generated = decoder_backends(model, config.fast_paths, config.generation_weights) if "decoding" in run.manifest \
+        else {}
+    run.manifest["backends"] = fast.backends(config, run.manifest["patches"], **generated)
     return trainer
 
 

@@ -20,11 +20,11 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
-from common import patches
+from common import fast
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
-from common.generation import grpo_rollout, supports_fast_decode
+from common.fast.static_decoder import grpo_rollout, supports_fast_decode, weights_backend
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
 from common.runs import Run
@@ -51,12 +51,13 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
                                config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
-    run.manifest["patches"] = patches.apply(trainer, config)
+    run.manifest["patches"] = fast.apply(trainer, config)
     # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
     # does not know: recorded either way.
-    run.manifest["backends"] = patches.backends(config, run.manifest["patches"],
-                                                decoder="static" if rollout else "trl_generate",
-                                                judge_scoring=judge_scoring(judge))
+    decoder = {"decoder": "static", "decoder_weights": weights_backend(policy, config.rollout_weights)} \
+        if rollout else {"decoder": "trl_generate"}
+    run.manifest["backends"] = fast.backends(config, run.manifest["patches"], **decoder,
+                                             judge_scoring=judge_scoring(judge))
     return trainer
 
 

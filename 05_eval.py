@@ -31,11 +31,11 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from common import patches
+from common import fast
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
-from common.generation import decoder_for, generate_replies
+from common.generation import decoder_backends, generate_replies
 from common.judges import describe_judges, gain_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
@@ -89,8 +89,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     for name in names[1:]:
         model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
     run.manifest["decoding"] = config.decoding()
-    run.manifest["backends"] = patches.backends(config, [], decoder=decoder_for(model, config.fast_paths),
-                                                judge_scoring={})
+    run.manifest["backends"] = fast.backends(config, [], **decoder_backends(model, config.fast_paths,
+                                                                             config.generation_weights), judge_scoring={})
     windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
         if task.READOUT_SCALE and config.reading == "all_windows" else None
     for name in (["base"] if config.evaluate_base else []) + names:

@@ -23,7 +23,7 @@ the review task, against TRL's SFTTrainer defaults. review_dpo: an 8,192-token p
 chosen and rejected replies through 04_train_dpo's preference_dataset and build_trainer
 (configs/llama3-8b/review/04_train_dpo.yaml, max_length 9,216) against TRL's DPOTrainer defaults; both
 on the model as a PeftModel, so TRL adds its frozen `ref` copy of the adapter. review_gen: greedy
-review generation with common.generation.decode, 8,192-token prompt, 1,024 new tokens, at batch 1, 2,
+review generation with common.fast.static_decoder.decode, 8,192-token prompt, 1,024 new tokens, at batch 1, 2,
 4, 8, 16 (up to the first out-of-memory). Training rows run one micro-batch per optimiser step
 (gradient accumulation 1): memory and tokens/s are those of a micro-batch of the recipe.
 """
@@ -74,11 +74,11 @@ REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,1
 # The pipeline's rows: each recipe as it is, then one lever changed (which attention, the layer inputs
 # in CPU memory, the reference log-probs precomputed once before training).
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
-                       ("llama3-8b", "ours_sdpa", {"shared_prompt_attention": "sdpa"}),
+                       ("llama3-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
                        ("llama3-8b", "ours_offload", {"offload_activations": True}),
                        ("llama3-8b", "ours_precomputed_ref", {"precompute_ref_log_probs": True}),
                        ("llama31-8b", "ours", {}),
-                       ("llama31-8b", "ours_sdpa", {"shared_prompt_attention": "sdpa"})]
+                       ("llama31-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"})]
 REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
@@ -161,7 +161,7 @@ def budget_steps(items, rows, budget, grad_accum, n_steps, seed, key=sum):
     """max_tokens_per_batch: n_steps optimiser steps (grad_accum micro-batches each), drawn at random from
     one epoch over all `items` as the pipeline's TokenBudgetBatchSampler forms them. The trainer packs
     these examples again and gets the same micro-batches: each is a run of the length-sorted order."""
-    from common.token_budget import TokenBudgetBatchSampler
+    from common.fast.token_budget import TokenBudgetBatchSampler
     order = list(TokenBudgetBatchSampler([key(x) for x in items], rows, budget, seed))
     steps = [order[i:i + grad_accum] for i in range(0, len(order) - grad_accum + 1, grad_accum)]
     chosen = random.Random(seed).sample(steps, min(n_steps, len(steps)))
@@ -248,7 +248,7 @@ def count_tokens(trainer, sink):
 
 @contextlib.contextmanager
 def lever(model, ours: bool, cudnn_attention: bool = False, lora_dropout: float | None = None):
-    """One row's setting. TRL rows run PyTorch's defaults (cuDNN attention on; `patches.apply` turns
+    """One row's setting. TRL rows run PyTorch's defaults (cuDNN attention on; `fast.apply` turns
     it off for the pipeline's rows, cudnn_attention=True turns it back on as a control row).
     lora_dropout: the LoRA layers' dropout for this row only (the model is loaded once)."""
     if not ours or cudnn_attention:
@@ -617,8 +617,8 @@ class Bench:
         self.record({"stage": "review_dpo", "name": f"review_dpo_{P}_{setting}", "setting": setting,
                      "batches": f"{P}+2x{R}", "recipe": recipe, "prompt_tokens": P, "reply_tokens": R,
                      "max_length": cfg.max_length, "sequence_tokens": r["real_tokens"] // (2 * timed),
-                     "shared_prompt": bool(ours and cfg.shared_prompt), "attn_implementation":
-                     run.manifest.get("shared_prompt_attention", loaded_attn), "ref_adapter": ref_adapter,
+                     "pair_in_one_sequence": bool(ours and cfg.pair_in_one_sequence), "attn_implementation":
+                     run.manifest.get("one_sequence_attention", loaded_attn), "ref_adapter": ref_adapter,
                      "precompute_ref_log_probs": bool(ours and cfg.precompute_ref_log_probs),
                      "trainer_build_s": built_s, "seconds_per_step": round(r["seconds"] / timed, 3),
                      "grad_accum": 1, "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
@@ -627,7 +627,7 @@ class Bench:
                      "target_met": None if r["peak_gib"] is None else r["peak_gib"] <= target})
 
     def review_gen(self, reserve_s=0.0):
-        """Greedy review generation with the pipeline's decoder (common.generation.decode, as stage 05
+        """Greedy review generation with the pipeline's decoder (common.fast.static_decoder.decode, as stage 05
         and 04_train_dpo's rejected replies run it): an 8,192-token prompt and 1,024 new tokens at
         batch 1, 2, 4, ..., up to the first out-of-memory; new tokens/s (prefill included) and peak.
         `reserve_s`: seconds kept for the rows that follow."""
@@ -750,8 +750,8 @@ class Bench:
         trainer = trl.RewardTrainer(model=self.judge_model, args=args, processing_class=self.tokenizer,
                                     train_dataset=data)
         if ours:  # what stage 03's trainer gets
-            from common import patches
-            patches.apply(trainer, cfg)
+            from common import fast
+            fast.apply(trainer, cfg)
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
         with lever(self.judge_model, ours, cudnn_attention, dropout):
             # FlexAttention (padding_free on a GPU) compiles for the first shapes: those steps are not timed
@@ -776,8 +776,8 @@ class Bench:
             unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
 
     # GRPO ------------------------------------------------------------------------------------------
-    def grpo(self, ours, steps, name=None, nf4_kernel="triton", **over):
-        from common import decode_step
+    def grpo(self, ours, steps, name=None, **over):
+        from common.fast import decode_step
         from common.model import unwrap_peft
         from common.rewards import RewardScorer
         from common.watch import WatchedReward
@@ -840,12 +840,8 @@ class Bench:
         sync()
         t0 = time.perf_counter()
         from common.training import train
-        decode_step.NF4_KERNEL = nf4_kernel
-        try:
-            with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
-                train(trainer, bench_run(self.work / "grpo"))
-        finally:
-            decode_step.NF4_KERNEL = "triton"
+        with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
+            train(trainer, bench_run(self.work / "grpo"))
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
@@ -860,8 +856,7 @@ class Bench:
         self.record({"stage": "grpo", "name": name or "grpo_" + ("ours" if ours else "trl") + dense,
                      "setting": "ours" if ours else "trl", "rollout_backend": cfg.rollout_backend, "rollout_batch": cfg.rollout_batch_size,
                      "rollout_weights": cfg.rollout_weights,
-                     "nf4_kernel": nf4_kernel if cfg.rollout_weights == "nf4" and decode_step.nf4_matmul.available()
-                     else "bitsandbytes",
+                     "nf4_kernel": decode_step.nf4_dequantizer(next(self.policy.parameters()).device) if cfg.rollout_weights == "nf4" else None,
                      "gradient_checkpointing": cfg.gradient_checkpointing,
                      "completions_per_step": per_step, "reward_batch": cfg.reward_batch_size,
                      "lora_dropout": cfg.lora_dropout if ours else MODEL_LORA_DROPOUT,
@@ -986,9 +981,6 @@ class Bench:
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
-            # the decode step's 4-bit weights through bitsandbytes' dequantisation, or the fused Triton kernel
-            g("grpo ours bnb dequant", lambda: self.grpo(True, 3, "grpo_ours_bnb_dequant", nf4_kernel="bitsandbytes"), 60)
-            g("grpo ours fused nf4", lambda: self.grpo(True, 3, "grpo_ours_fused_nf4", nf4_kernel="fused"), 60)
             # rollouts on a bf16 copy of the frozen base (about 14 GB more on the 8B shape)
             g("grpo ours bf16 rollouts", lambda: self.grpo(True, 2 if self.tiny else 3, rollout_weights="bf16"), 60)
             # 128 completions sampled at once (32 premises a step, half the optimiser steps): the decode step
@@ -1149,7 +1141,7 @@ def main(argv=None):
     bench.results["meta"]["build_and_setup_s"] = round(time.time() - bench.start, 1)
     bench.run(args.sections.split(","))
     bench.results["meta"]["total_s"] = round(time.time() - bench.start, 1)
-    from common.generation import GRAPH_FAILURES
+    from common.fast.static_decoder import GRAPH_FAILURES
     bench.results["meta"]["cuda_graph_failures"] = GRAPH_FAILURES
     bench.save()
     text = table(bench.results)

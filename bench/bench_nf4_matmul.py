@@ -1,8 +1,8 @@
-"""The fused NF4 matmul (common/nf4_matmul.py) against bitsandbytes' dequantise + cuBLAS, at Llama 3 8B shapes.
+"""The fused NF4 matmul (bench/nf4_fused.py) against bitsandbytes' dequantise + cuBLAS, at Llama 3 8B shapes.
 
-    python bench/bench_nf4_matmul.py --out bench/out/nf4_matmul.json            # one GPU
-    python bench/bench_nf4_matmul.py --out bench/out/nf4_matmul.json --sweep    # + other configurations
-    python bench/bench_nf4_matmul.py --tiny --out /tmp/nf4_matmul.json          # CPU smoke run (interpreter)
+    python bench/bench_nf4_fused.py --out bench/out/nf4_fused.json            # one GPU
+    python bench/bench_nf4_fused.py --out bench/out/nf4_fused.json --sweep    # + other configurations
+    python bench/bench_nf4_fused.py --tiny --out /tmp/nf4_fused.json          # CPU smoke run (interpreter)
 
 For M (sequences per decode step) in --m and each linear shape (N, K) of a decoder layer: (a) bitsandbytes'
 dequantize_4bit into a preallocated bf16 buffer then F.linear, as the decode step does today, and (b) nf4_linear
@@ -11,7 +11,7 @@ rotating over enough copies of the weight that they do not fit in L2 (in a decod
 once, from HBM). Reports microseconds per call, GB/s on the packed 4-bit bytes (absmax adds 1/8 more),
 the max relative difference of the two outputs, and the whole 32-layer model's time per decode step.
 --sweep also times BLOCK_N in {32, 64, 128} x SPLIT_K in {1, 2, 4, 8}, and the default tile at 1-3 pipeline
-stages, for each shape: what to change `nf4_matmul._config` to.
+stages, for each shape: what to change `nf4_fused._config` to.
 Results go to --out as JSON, rewritten after each measurement, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -34,9 +34,10 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bitsandbytes.functional as bnbF  # noqa: E402
+import nf4_fused  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import nf4_matmul  # noqa: E402
+from common.fast import nf4_dequantize  # noqa: E402
 
 LAYERS = 32
 # (name, N, K) of each 4-bit linear in a Llama 3 8B decoder layer
@@ -63,7 +64,7 @@ def dequant_linear(x, packed, absmax, qs, buf):
 
 
 def triton_dequant_linear(x, packed, absmax, qs, buf):
-    nf4_matmul.nf4_dequantize(packed, absmax, qs.code, buf, qs.blocksize)
+    nf4_dequantize.nf4_dequantize(packed, absmax, qs.code, buf, qs.blocksize)
     return F.linear(x, buf)
 
 
@@ -100,7 +101,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="small shapes (and on CPU, the interpreter)")
     ap.add_argument("--sweep", action="store_true", help="also time every (BLOCK_N, SPLIT_K) of a small grid")
     args = ap.parse_args()
-    if not nf4_matmul.available():
+    if not nf4_fused.available():
         sys.exit("triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's tl.dot mishandles bf16
@@ -126,17 +127,17 @@ def main():
             x = torch.randn(m, k, device=device, dtype=dtype)
             y = torch.empty(m, n, device=device, dtype=dtype)
             ref = dequant_linear(x, *ws[0], qs, buf).float()
-            diff = ((nf4_matmul.nf4_linear(x, *ws[0], qs.code, n, k, out=y).float() - ref).abs().max()
+            diff = ((nf4_fused.nf4_linear(x, *ws[0], qs.code, n, k, out=y).float() - ref).abs().max()
                     / ref.abs().max()).item()
             base = time_us([lambda p=p, a=a: dequant_linear(x, p, a, qs, buf) for p, a in ws], device)
             tdq = time_us([lambda p=p, a=a: triton_dequant_linear(x, p, a, qs, buf) for p, a in ws], device)
             bnb_only = time_us([lambda p=p, a=a: torch.ops.bitsandbytes.dequantize_4bit.out(
                 p, a, qs.blocksize, "nf4", qs.shape, buf.dtype, out=buf) for p, a in ws], device) if device == "cuda" else 0
-            tdq_only = time_us([lambda p=p, a=a: nf4_matmul.nf4_dequantize(p, a, qs.code, buf, qs.blocksize)
+            tdq_only = time_us([lambda p=p, a=a: nf4_dequantize.nf4_dequantize(p, a, qs.code, buf, qs.blocksize)
                                 for p, a in ws], device)
-            fused = time_us([lambda p=p, a=a: nf4_matmul.nf4_linear(x, p, a, qs.code, n, k, out=y) for p, a in ws],
+            fused = time_us([lambda p=p, a=a: nf4_fused.nf4_linear(x, p, a, qs.code, n, k, out=y) for p, a in ws],
                             device)
-            config = nf4_matmul._config(m, n, k, 64, x.device)
+            config = nf4_fused._config(m, n, k, 64, x.device)
             gbs = n * k / 2 / (fused * 1e-6) / 1e9
             row = {"M": m, "N": n, "K": k, "bnb_us": base, "triton_dequant_us": tdq, "nf4_us": fused,
                    "bnb_dequant_only_us": bnb_only, "triton_dequant_only_us": tdq_only, "nf4_packed_GBps": gbs,
@@ -153,7 +154,7 @@ def main():
                 for block_n, split, stages, warps, two_dots in grid:
                     kw = dict(block_n=block_n, split_k=split, num_stages=stages, num_warps=warps, two_dots=two_dots)
                     try:
-                        t = time_us([lambda p=p, a=a: nf4_matmul.nf4_linear(x, p, a, qs.code, n, k, out=y, **kw)
+                        t = time_us([lambda p=p, a=a: nf4_fused.nf4_linear(x, p, a, qs.code, n, k, out=y, **kw)
                                      for p, a in ws], device)
                     except Exception as e:  # a configuration that does not compile (shared memory) or run
                         t = None

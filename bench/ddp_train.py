@@ -193,7 +193,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
-    from common import patches
+    from common import fast
     from common.model import CAUSAL_LM, SEQ_CLS, load_model, load_tokenizer
     from common.training import train, trainer_args
 
@@ -226,7 +226,7 @@ def measure(kind: str, args, world: int, rank: int) -> dict:
     loaded_gib = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else None
     clock = StepClock()
     trainer.add_callback(clock)
-    patches.apply(trainer, config)  # what the stages' build_trainer applies
+    fast.apply(trainer, config)  # what the stages' build_trainer applies
     start = time.perf_counter()
     metrics = train(trainer, run)
     warm = min(args.warmup, len(clock.times) - 1)

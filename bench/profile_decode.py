@@ -47,7 +47,7 @@ def load(args):
             if "lora_B" in name:
                 p.normal_(0, 0.01)
     if torch.cuda.is_available():  # as GRPO runs it (liger_kernel: true)
-        from common.patches import apply_liger_kernels
+        from common.fast.model_changes import apply_liger_kernels
         apply_liger_kernels(SimpleNamespace(model=model))
     return model, tok
 
@@ -121,7 +121,7 @@ def main(argv=None):
     if torch.cuda.is_available():
         results["attention"] = [r for L in (518, 768) for r in attention_variants(L=L)]
     import common.generation as gen
-    from common.decode_step import DecodeStep
+    from common.fast.decode_step import DecodeStep
     model, tok = load(args)
     vocab = min(len(tok), model.config.vocab_size) if args.tiny else 100_000
     lengths = json.loads(bench.LENGTHS.read_text())["prompts"] if not args.tiny else [12, 20]

@@ -18,7 +18,16 @@ from pathlib import Path
 
 import yaml
 
-from common.config import STAGE_CONFIGS, ConfigError, describe, load_yaml, shown, type_ok
+from common.config import (
+    STAGE_CONFIGS,
+    ConfigError,
+    describe,
+    load_yaml,
+    shown,
+    type_ok,
+    under_current_names,
+    unknown_field_hint,
+)
 from common.data import DataError, read_manifest
 
 log = logging.getLogger("pipeline")
@@ -36,7 +45,7 @@ def parse_config(cls, argv: list[str] | None = None):
     given = dict(pairs)
     for key in given:
         if key != "config" and key not in names:
-            raise ConfigError(f"command line: unknown field '--{key}' (known: {', '.join(sorted(names))})")
+            raise ConfigError(f"command line: unknown field '--{key}' {unknown_field_hint(cls, key)}")
     if cls.STAGE and "config" not in given and "resume" not in given:
         raise ConfigError("--config is required: a recipe, configs/<recipe>/0N_<stage>.yaml "
                           "(or --resume RUN_DIR to continue a run)")
@@ -44,7 +53,7 @@ def parse_config(cls, argv: list[str] | None = None):
     values, sources = {}, {}
     if "config" in given:
         path = Path(given["config"][0])
-        for key, value in _read_yaml(path, names).items():
+        for key, value in _read_yaml(path, cls, names).items():
             values[key], sources[key] = _coerce(key, value, hints[key], str(path)), str(path)
     overrides = {}
     for key, raws in pairs:
@@ -85,7 +94,8 @@ def _split_argv(argv: list[str], hints: dict) -> list[tuple[str, list[str]]]:
     return pairs
 
 
-def _read_yaml(path: Path, names: set) -> dict:
+def _read_yaml(path: Path, cls, names: set, written_by_run: bool = False) -> dict:
+    """A config file's fields; a run's own config.yaml (`written_by_run`) under today's names."""
     if not path.is_file():
         raise ConfigError(f"--config: no such file {path}")
     try:
@@ -97,9 +107,11 @@ def _read_yaml(path: Path, names: set) -> dict:
         raise ConfigError(f"{path}: the config is empty; give a recipe (configs/<recipe>/0N_<stage>.yaml)")
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of fields")
+    if written_by_run:
+        loaded = under_current_names(cls, loaded)
     for key in loaded:
         if key not in names:
-            raise ConfigError(f"{path}: unknown field '{key}' (known: {', '.join(sorted(names))})")
+            raise ConfigError(f"{path}: unknown field '{key}' {unknown_field_hint(cls, key)}")
     return loaded
 
 
@@ -115,7 +127,7 @@ def _bind_to_run(cls, run_dir: Path, requested: dict, sources: dict, names: set,
         raise ConfigError(f"--resume {run_dir}: {err}") from None
     if STAGE_CONFIGS.get(stage) is not cls:
         raise ConfigError(f"--resume {run_dir}: that is a {stage} run; this script continues {cls.STAGE} runs only")
-    recorded = _read_yaml(run_dir / "config.yaml", names)
+    recorded = _read_yaml(run_dir / "config.yaml", cls, names, written_by_run=True)
     for key, value in requested.items():
         if key in NOT_COMPARED_ON_RESUME:
             continue

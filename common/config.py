@@ -38,7 +38,8 @@ def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=N
 
 # What `fast_paths: false` sets: every field that turns on a path of this project's own, at the value
 # that runs plain TRL and transformers instead.
-PLAIN_PATHS = {"shared_prompt": False, "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
+PLAIN_PATHS = {"pair_in_one_sequence": False, "group_in_one_sequence": False, "prompt_once_per_pair": False,
+               "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
                "liger_kernel": False, "mlp_chunk_tokens": 0, "rollout_backend": "hf", "rollout_weights": "nf4",
                "generation_weights": "nf4"}
 
@@ -124,7 +125,7 @@ class TrainArgs:
     max_tokens_per_batch: int = arg(
         0, "> 0: each micro-batch holds as many examples as fit this many padded tokens (examples x the longest; "
         "reward: chosen and rejected rows; DPO: its shared sequence, or TRL's two), length-grouped "
-        "(common/token_budget.py); per_device_train_batch_size then sizes only eval batches. 0: "
+        "(common/fast/token_budget.py); per_device_train_batch_size then sizes only eval batches. 0: "
         "per_device_train_batch_size examples a micro-batch", ge=0)
     pad_to_multiple_of: int = arg(
         0, "> 0: each training batch is padded to a multiple of this many tokens, so real-length batches come in "
@@ -207,14 +208,12 @@ class TokenBudgetArgs:
 
 
 @dataclass
-class SharedPromptArgs:
-    """Replies to one prompt trained as branches of one sequence, the prompt computed once."""
-    shared_prompt: bool = arg(True, "dpo: each pair as one sequence, prompt + chosen + rejected; grpo: each premise "
-                              "with its replies as one sequence in the update (common/shared_prompt.py). The prompt "
-                              "is computed once; same log-probs and loss as TRL's one row per reply")
-    shared_prompt_attention: Literal["flex_attention", "sdpa"] = arg(
-        "flex_attention", "shared_prompt: the attention training runs on a GPU. flex_attention skips the "
-        "masked blocks, so the shared prompt keeps its speed; sdpa's dense mask loses most of it "
+class OneSequenceArgs:
+    """Replies to one prompt trained as branches of one sequence, the prompt computed once
+    (common/fast/shared_prompt.py): DPO's pair_in_one_sequence, GRPO's group_in_one_sequence."""
+    one_sequence_attention: Literal["flex_attention", "sdpa"] = arg(
+        "flex_attention", "the attention of a one-sequence batch on a GPU. flex_attention skips the masked "
+        "blocks, so the shared prompt keeps its speed; sdpa's dense mask loses most of it "
         "(docs/performance.md). The CPU always runs sdpa (FlexAttention has no backward there)")
 
 
@@ -247,7 +246,7 @@ class DecodingArgs:
     generation_weights: Literal["nf4", "bf16"] = arg(
         "bf16", "the static decoder's base weights: bf16 copies of the frozen 4-bit base made once (about 2 bytes "
         "a weight more, freed after generating), or nf4: dequantised at every token. Same tokens "
-        "(common/decode_step.py)")
+        "(common/fast/decode_step.py)")
 
     def check(self):
         if self.no_repeat_ngram_size == 1:
@@ -294,9 +293,9 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         "there and keep the epoch of lowest loss (its accuracy on audit_split is then chosen on it: read the "
         "other splits); 0: train every epoch, keep the last", ge=0)
     padding_free: bool = arg(False, "train on each micro-batch's replies as one row without padding (FlexAttention's "
-                             "block mask on a GPU; common/padding_free.py); pairwise 4-bit judges only")
-    shared_prompt: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, computed once "
-                              "(common/padding_free.py); same rewards and loss as two rows")
+                             "block mask on a GPU; common/fast/padding_free.py); pairwise 4-bit judges only")
+    prompt_once_per_pair: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, "
+                                     "computed once (common/fast/padding_free.py); same rewards and loss as two rows")
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
@@ -310,7 +309,7 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
 
 
 @dataclass
-class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, SharedPromptArgs):
+class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     """Stage 04: GRPO against the stage-03 judge."""
     STAGE: ClassVar[str] = "GRPO"
 
@@ -327,15 +326,17 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, SharedPromptArgs):
         2.0, "reward-hacking guard: stop when the mean reply length (words) of guard_patience batches in a "
         "row leaves [ref / ratio, ref * ratio], ref = the run's first batch; null turns it off", gt=1)
     guard_patience: int = arg(2, "batches in a row outside the guard's band before it stops the run", ge=1)
+    group_in_one_sequence: bool = arg(True, "each premise with its replies as one sequence in the update, the "
+                                      "premise computed once; same log-probs and loss as TRL's one row per reply")
     rollout_backend: Literal["static", "hf"] = arg(
-        "static", "static: common/generation.py's decoder (static KV cache, one CUDA graph a token, unmerged "
+        "static", "static: common/fast/static_decoder.py's decoder (static KV cache, one CUDA graph a token, unmerged "
         "LoRA); hf: TRL's transformers generate")
     rollout_batch_size: int = arg(64, "sequences sampled at once by the static decoder", ge=1)
     rollout_weights: Literal["nf4", "bf16"] = arg(
         "nf4", "static rollouts: nf4 samples on the 4-bit base as it trains; bf16 on a bf16 copy of the frozen "
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
         "sampling and training stay one policy without dequantising every weight each token "
-        "(common/decode_step.py)")
+        "(common/fast/decode_step.py)")
 
     def check(self):
         require(self, "sft_run")
@@ -354,7 +355,7 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, SharedPromptArgs):
 
 
 @dataclass
-class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, SharedPromptArgs, DecodingArgs):
+class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, OneSequenceArgs, DecodingArgs):
     """Stage 04 (preference): DPO or ORPO from the SFT adapter, on either task."""
     STAGE: ClassVar[str] = "DPO"  # ORPO runs are named ..._ORPO_RunN
 
@@ -368,6 +369,8 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, SharedPromp
         "the SFT adapter (made by this stage, saved in rejected.jsonl)")
     max_new_tokens: int = arg(1024, "review task: tokens of each generated (rejected) review", ge=1)
     generation_batch_size: int = arg(8, "review task: papers generated at once", ge=1)
+    pair_in_one_sequence: bool = arg(True, "dpo: each pair as one sequence, prompt + chosen + rejected, the prompt "
+                                     "computed once; same log-probs and loss as TRL's two rows")
     precompute_ref_log_probs: bool = arg(False, "dpo: the reference log-probs in one pass over the pairs "
                                          "before training (TRL's option) instead of in every step")
 
@@ -423,6 +426,27 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
 STAGE_CONFIGS = {cls.STAGE: cls for cls in (PairsConfig, SFTStageConfig, RewardStageConfig, GRPOStageConfig,
                                             DPOStageConfig, EvalConfig)}
 STAGE_CONFIGS["ORPO"] = DPOStageConfig
+
+# Fields renamed since earlier runs were written: `shared_prompt` meant three things. An earlier run's
+# config.yaml is read under the new names; a config file or command line with an old name is told the new one.
+RENAMED = {RewardStageConfig: {"shared_prompt": "prompt_once_per_pair"},
+           GRPOStageConfig: {"shared_prompt": "group_in_one_sequence",
+                             "shared_prompt_attention": "one_sequence_attention"},
+           DPOStageConfig: {"shared_prompt": "pair_in_one_sequence",
+                            "shared_prompt_attention": "one_sequence_attention"}}
+
+
+def under_current_names(cls, values: dict) -> dict:
+    """An earlier run's recorded fields, the renamed ones under their new names."""
+    return {RENAMED.get(cls, {}).get(key, key): value for key, value in values.items()}
+
+
+def unknown_field_hint(cls, key: str) -> str:
+    """What to use instead of an unknown field: its new name, or the list of known ones."""
+    new = RENAMED.get(cls, {}).get(key)
+    if new:
+        return f"(renamed: use '{new}')"
+    return f"(known: {', '.join(sorted(f.name for f in dataclasses.fields(cls)))})"
 
 
 def require(config, name: str) -> None:
@@ -552,6 +576,7 @@ def load_run_config(run_dir: str | Path):
     values = load_yaml((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{run_dir / 'config.yaml'}: expected a mapping of fields")
+    values = under_current_names(cls, values)
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ConfigError(f"{run_dir / 'config.yaml'}: unknown field(s) {', '.join(sorted(unknown))}")

@@ -55,6 +55,23 @@ def read_manifest(run_dir) -> dict:
     return manifest
 
 
+def text_field(row: dict, name: str, where: str, required: bool, label: str | None = None) -> str | None:
+    """Field `name` of a source row as text (None when absent and not `required`); anything else is a
+    DataError naming `where` and the field (`label`, for a field nested in the row)."""
+    value = row.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        got = "missing" if name not in row else f"{type(value).__name__} {value!r:.40}"
+        raise DataError(f"{where}: field '{label or name}' must be a string, got {got}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800: valid JSON, not text
+        raise DataError(f"{where}: field '{label or name}' is not valid Unicode (unpaired surrogate "
+                        f"{value[err.start]!r} at character {err.start + 1})") from None
+    return value
+
+
 GZIP_MAGIC = b"\x1f\x8b"
 
 

@@ -124,6 +124,14 @@ def unwrap_peft(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a reply: the tokenizer's and the generation config's (Llama 3: <|eot_id|> too)."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(unwrap_peft(model), "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
 def _disable_cpu_inference_repack(model) -> None:
     """bnb 0.50.2 on AVX512-BF16 CPUs repacks 4-bit weights for an inference kernel without autograd
     at the first no-grad forward; later backward passes then silently lose gradient. Turn it off."""

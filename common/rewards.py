@@ -165,7 +165,7 @@ class RewardScorer:
     @torch.no_grad()
     def score(self, prompts: list[list[dict]], replies: list[str]) -> list[float]:
         """One score per (prompt, reply), in input order. A causal judge runs padding-free, the replies
-        to one prompt sharing it (GRPO scores 4 replies to each premise; common/padding_free.py), unless
+        to one prompt sharing it (GRPO scores 4 replies to each premise; common/fast/padding_free.py), unless
         `packed` is off; the encoder judge runs right-padded batches of similar lengths."""
         was_training = self.model.training
         self.model.eval()
@@ -178,7 +178,7 @@ class RewardScorer:
         """The replies to one prompt share it. FlexAttention (a judge trained padding-free on a GPU) runs
         many groups end to end in one row; SDPA (the CPU, a judge loaded to score) runs one group a row,
         rows padded, since its dense mask costs the square of the row's length."""
-        from common.padding_free import packed_rewards
+        from common.fast.padding_free import packed_rewards
         classifier = unwrap_peft(self.model)
         attention = attn_implementation(classifier)
         one_row = attention == "flex_attention"

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-# library -> (its import name, the version tested: requirements.txt's pin; liger-kernel as patches.py installs it)
+# library -> (its import name, the version tested: requirements.txt's pin; liger-kernel as model_changes.py installs it)
 LIBRARIES = {"trl": ("trl", "1.16.0"), "transformers": ("transformers", "5.24.0"),
              "liger-kernel": ("liger_kernel", "0.8.5")}
 
@@ -43,15 +43,15 @@ GRPO, TRAINER, LLAMA = "trl:GRPOTrainer", "transformers:Trainer", "transformers.
 NAMES = [
     # trl
     Private("trl", "trl:RewardTrainer", "_set_signature_columns_if_needed",
-            "keep_column (patches.add_length_column): sets `_signature_columns`, the column filter, then extended",
+            "keep_column (model_changes.add_length_column): sets `_signature_columns`, the column filter, then extended",
             source=("_set_signature_columns_if_needed", "self._signature_columns")),
     Private("trl", "trl:DPOTrainer", "_set_signature_columns_if_needed", "the same, for DPO's pairs",
             source=("_set_signature_columns_if_needed", "self._signature_columns")),
-    Private("trl", GRPO, "_tokenize_prompts", "generation.grpo_rollout: prompts tokenised exactly as TRL does",
+    Private("trl", GRPO, "_tokenize_prompts", "static_decoder.grpo_rollout: prompts tokenised exactly as TRL does",
             params=("self", "prompts")),
-    Private("trl", GRPO, "eos_token_ids", "generation.grpo_rollout: the ids that end a reply, as TRL's",
+    Private("trl", GRPO, "eos_token_ids", "static_decoder.grpo_rollout: the ids that end a reply, as TRL's",
             instance=True, source=("__init__", "self.eos_token_ids")),
-    Private("trl", GRPO, "__init__", "04_train_grpo: the experimental `rollout_func` (generation.grpo_rollout)",
+    Private("trl", GRPO, "__init__", "04_train_grpo: the experimental `rollout_func` (static_decoder.grpo_rollout)",
             params=("rollout_func",)),
     Private("trl", GRPO, "_prepare_inputs", "shared_prompt.share_grpo_prompts: wrapped to regroup a generation batch",
             params=("self", "generation_batch")),
@@ -67,7 +67,7 @@ NAMES = [
     Private("trl", "trl.trainer.utils", "split_tensor_dict", "shared_prompt.share_grpo_prompts: re-cut micro-batches",
             params=("tensor_dict", "num_chunks")),
     Private("trl", "trl.trainer.utils", "add_fused_lm_head",
-            "shared_prompt: the forward(fused_lm_head=True) TRL installs, its log_probs/entropy fields"),
+            "shared_prompt.share_prompt: the forward(fused_lm_head=True) TRL installs, its log_probs/entropy fields"),
     Private("trl", "trl.trainer.utils", "disable_dropout_in_model",
             "rewards.set_up_like_reward_trainer: the pointwise judge set up as RewardTrainer's"),
     Private("trl", "trl.trainer.dpo_trainer:DataCollatorForPreference", "torch_call",
@@ -97,20 +97,20 @@ NAMES = [
     Private("transformers", "transformers:PretrainedConfig", "_attn_implementation",
             "attn_implementation(): padding_free, shared_prompt, rewards, bench switch attention and back"),
     Private("transformers", LLAMA, "apply_rotary_pos_emb",
-            "generation._prefill calls it; patches.apply_liger_kernels replaces it module-wide",
+            "static_decoder._prefill calls it; model_changes.apply_liger_kernels replaces it module-wide",
             params=("q", "k", "cos", "sin")),
-    Private("transformers", f"{LLAMA}:LlamaAttention", "head_dim", "generation._prefill, decode_step: Llama's attention",
+    Private("transformers", f"{LLAMA}:LlamaAttention", "head_dim", "static_decoder._prefill, decode_step: Llama's attention",
             instance=True, source=("__init__", "self.head_dim")),
-    Private("transformers", f"{LLAMA}:LlamaAttention", "scaling", "generation._prefill, decode_step: Llama's attention",
+    Private("transformers", f"{LLAMA}:LlamaAttention", "scaling", "static_decoder._prefill, decode_step: Llama's attention",
             instance=True, source=("__init__", "self.scaling")),
-    Private("transformers", f"{LLAMA}:LlamaModel", "rotary_emb", "generation._prefill, decode_step: cos/sin",
+    Private("transformers", f"{LLAMA}:LlamaModel", "rotary_emb", "static_decoder._prefill, decode_step: cos/sin",
             instance=True, source=("__init__", "self.rotary_emb")),
     Private("transformers", "transformers.activations", "ACT2FN", "decode_step.DecodeStep: Llama's MLP activation"),
     # liger-kernel (GPU stages with liger_kernel: true; checked where it is installed)
     Private("liger-kernel", "liger_kernel.transformers.monkey_patch", "_apply_liger_kernel_to_instance",
-            "patches.apply_liger_kernels: Liger's kernels in one model, not every model of the process"),
+            "model_changes.apply_liger_kernels: Liger's kernels in one model, not every model of the process"),
     Private("liger-kernel", "liger_kernel.transformers.rope", "liger_rotary_pos_emb",
-            "patches.apply_liger_kernels: batch folded in place of Llama's apply_rotary_pos_emb"),
+            "model_changes.apply_liger_kernels: batch folded in place of Llama's apply_rotary_pos_emb"),
 ]
 
 

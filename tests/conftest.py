@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Without a GPU, Triton kernels (common/nf4_matmul.py) run under Triton's CPU interpreter, which triton
+# Without a GPU, Triton kernels (common/fast/nf4_dequantize.py, bench/nf4_fused.py) run under Triton's CPU interpreter, which triton
 # reads when first imported (bitsandbytes imports it as it loads): set before any test module is collected.
 import torch  # noqa: E402  (importing torch does not import triton)
 

@@ -45,7 +45,8 @@ def _left_padded(prompts, pad):
 
 @pytest.mark.parametrize("penalty,prefill_tokens", [(1.0, 40), (1.3, 40), (1.0, 4096)])
 def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tokens):
-    from common.generation import decode, eos_ids
+    from common.fast.static_decoder import decode
+    from common.model import eos_ids
     model, tok = lora_tiny
     # repeated prompts (GRPO's replies to one premise) are prefilled once and copied to their rows
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 3, 9, 30, 17)]
@@ -61,7 +62,7 @@ def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tok
 
 
 def test_sampled_decode_stops_at_end_token(lora_tiny):
-    from common.generation import decode
+    from common.fast.static_decoder import decode
     model, tok = lora_tiny
     torch.manual_seed(1)
     out = decode(model, [[0, 3, 442, 271, 4, 20, 21]] * 6, 12, [tok.eos_token_id], tok.pad_token_id, temperature=1.0)
@@ -84,8 +85,8 @@ def test_fused_decode_step_gives_the_models_own_logits(four_bit_lora, weights):
     """One fused step (stacked q/k/v and gate/up, batched LoRA, folded residuals, 4-bit or bf16 base)
     after a prefill gives the logits of the model's own forward over the whole prompt, far closer than
     the LoRA's own effect on them (so a LoRA dropped, misplaced or mis-scaled fails)."""
-    from common.decode_step import DecodeStep
-    from common.generation import _prefill
+    from common.fast.decode_step import DecodeStep
+    from common.fast.static_decoder import _prefill
     from common.model import unwrap_peft
     model, _ = four_bit_lora
     random_lora(model, 3)
@@ -116,7 +117,8 @@ def test_rollouts_on_bf16_base_weights_equal_the_4bit_decode_and_follow_the_live
     """rollout_weights: bf16. The decode step reads bf16 copies of the base made once; the greedy
     tokens are those of the 4-bit decode, and after the LoRA moves (a training step) they still are:
     the copies hold the frozen base only."""
-    from common.generation import decode, eos_ids
+    from common.fast.static_decoder import decode
+    from common.model import eos_ids
     model, tok = four_bit_lora
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 9, 30)]
     eos = eos_ids(model, tok)
@@ -136,7 +138,7 @@ def test_rollouts_on_bf16_base_weights_equal_the_4bit_decode_and_follow_the_live
 def test_gpu_cuda_graph_decode_equals_eager(lora_tiny, four_bit_lora, case):
     """The captured fused step (4-bit dequantising into its scratch buffer included) replays to the
     tokens of the same step run eagerly."""
-    from common.generation import GRAPH_FAILURES, decode
+    from common.fast.static_decoder import GRAPH_FAILURES, decode
     model, tok = (lora_tiny[0].cuda(), lora_tiny[1]) if case == "fp32" else four_bit_lora
     weights = "bf16" if case == "bf16" else "nf4"
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17)]
@@ -150,7 +152,7 @@ def test_gpu_cuda_graph_decode_equals_eager(lora_tiny, four_bit_lora, case):
 def test_dropping_the_mask_of_right_padded_batches_is_exact(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from common.patches import unmask_right_padding
+    from common.fast.model_changes import unmask_right_padding
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).train()
     ids = torch.randint(10, 2000, (3, 12))
@@ -239,7 +241,7 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
         n = 1024 if r["recipe"] == "llama3-8b" else 2560
         assert r["ref_adapter"] and r["max_length"] == n and n - n // 16 <= r["sequence_tokens"] < n - 2, name
         assert abs(r["real_tokens"] - 2 * r["sequence_tokens"] * r["steps_timed"]) < 2 * r["steps_timed"]
-        assert r["shared_prompt"] == (r["setting"] != "trl")
+        assert r["pair_in_one_sequence"] == (r["setting"] != "trl")
     assert rows["review_dpo_896_ours_precomputed_ref"]["precompute_ref_log_probs"]
     assert b.results["meta"]["commit"]  # the code that ran
     # ...and the model is handed back as it was: no `ref` adapter, the LoRA weights trainable, one dtype
@@ -272,4 +274,4 @@ def test_ddp_bench_grpo_runs_in_two_processes(tiny_model, tmp_path):
     (result,) = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     assert result["processes"] == 2 and result["gradient_accumulation_steps"] == 2  # the recipe's 4, halved
     assert result["completions_per_step"] == 64 and result["global_step"] == 2
-    assert "shared_prompt" in result["patches"] and result["seconds_per_step"] > 0
+    assert "group_in_one_sequence" in result["patches"] and result["seconds_per_step"] > 0

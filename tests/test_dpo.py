@@ -55,7 +55,7 @@ def test_cmv_preference_run_is_done_and_moves_the_sft_adapter(cmv, loss):
     assert manifest["pairs_run"] == str(cmv["pairs"].resolve()) and manifest["task"] == "cmv"
     assert manifest["base"] == _json(cmv["sft"] / "manifest.json")["base"]
     assert "unmask_right_padding" in manifest["patches"]
-    assert ("shared_prompt" in manifest["patches"]) == (loss == "dpo")  # ORPO keeps its own path
+    assert ("pair_in_one_sequence" in manifest["patches"]) == (loss == "dpo")  # ORPO keeps its own path
     # CMV rows carry their loser: nothing is generated.
     assert manifest["rejected_from"] == "pairs_run" and not (run / "rejected.jsonl").exists()
     # Only the policy adapter is saved (not TRL's frozen `ref` copy), and training moved it.

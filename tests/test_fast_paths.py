@@ -32,12 +32,12 @@ def test_every_stage_lists_fast_paths_in_its_help(script):
 
 
 def test_fast_paths_false_sets_every_fast_field_to_its_plain_value():
-    grpo = GRPOStageConfig(sft_run="s", reward_run="r", fast_paths=False, rollout_weights="bf16", shared_prompt=True,
+    grpo = GRPOStageConfig(sft_run="s", reward_run="r", fast_paths=False, rollout_weights="bf16", group_in_one_sequence=True,
                            liger_kernel=True, per_device_train_batch_size=4)
-    assert (grpo.rollout_backend, grpo.rollout_weights, grpo.shared_prompt, grpo.liger_kernel) == ("hf", "nf4", False,
+    assert (grpo.rollout_backend, grpo.rollout_weights, grpo.group_in_one_sequence, grpo.liger_kernel) == ("hf", "nf4", False,
                                                                                                    False)
     dpo = DPOStageConfig(sft_run="s", fast_paths=False, max_tokens_per_batch=4096, generation_weights="bf16")
-    assert (dpo.max_tokens_per_batch, dpo.generation_weights, dpo.shared_prompt) == (0, "nf4", False)
+    assert (dpo.max_tokens_per_batch, dpo.generation_weights, dpo.pair_in_one_sequence) == (0, "nf4", False)
     for cls in set(STAGE_CONFIGS.values()):  # every plain value is one the field accepts
         fields = cls.__dataclass_fields__
         assert all(name not in fields or isinstance(value, (bool, int, str)) for name, value in PLAIN_PATHS.items())
@@ -58,13 +58,14 @@ def runs(tiny_model, pairs_run, tmp_path_factory) -> dict:
         made[f"dpo_{fast}"] = run_dir_of(run_stage("04_train_dpo.py", "--config", "configs/tiny/04_train_dpo.yaml",
                                                    "--sft_run", made["sft_true"], "--runs_dir", out,
                                                    "--fast_paths", fast))
-    made["grpo_false"] = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml",
-                                              "--sft_run", made["sft_true"], "--reward_run", made["reward_true"],
-                                              "--runs_dir", out, "--fast_paths", "false"))
-    made["eval_false"] = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run",
-                                              pairs_run, "--reward_run", made["reward_true"], "--sft_run",
-                                              made["sft_true"], "--policy_runs", made["grpo_false"], "--runs_dir", out,
-                                              "--fast_paths", "false"))
+    for fast in ("true", "false"):
+        made[f"grpo_{fast}"] = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml",
+                                                    "--sft_run", made["sft_true"], "--reward_run", made["reward_true"],
+                                                    "--runs_dir", out, "--fast_paths", fast))
+        made[f"eval_{fast}"] = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run",
+                                                    pairs_run, "--reward_run", made["reward_true"], "--sft_run",
+                                                    made["sft_true"], "--policy_runs", made[f"grpo_{fast}"],
+                                                    "--runs_dir", out, "--fast_paths", fast))
     return made
 
 
@@ -79,11 +80,28 @@ def test_plain_and_fast_paths_give_the_same_loss(runs, stage):
 def test_manifests_name_the_backends(runs):
     assert "padding_free" in _backends(runs["reward_true"])["patches"]
     assert _backends(runs["reward_false"])["patches"] == [] and _backends(runs["reward_false"])["judge_scoring"] == "padded"
-    assert "shared_prompt" in _backends(runs["dpo_true"])["patches"] and "shared_prompt" not in _backends(
+    assert "pair_in_one_sequence" in _backends(runs["dpo_true"])["patches"] and "pair_in_one_sequence" not in _backends(
         runs["dpo_false"])["patches"]
     assert "unmask_right_padding" in _backends(runs["sft_true"])["patches"] and _backends(runs["sft_false"])["patches"] == []
     grpo = _backends(runs["grpo_false"])
     assert (grpo["decoder"], grpo["judge_scoring"], grpo["patches"]) == ("trl_generate", "padded", [])
+    grpo = _backends(runs["grpo_true"])
+    assert (grpo["decoder"], grpo["decoder_weights"], grpo["judge_scoring"]) == ("static", "nf4_bitsandbytes", "packed")
+    assert "group_in_one_sequence" in grpo["patches"]
     evaluation = _backends(runs["eval_false"])
     assert evaluation["decoder"] == "hf_generate" and set(evaluation["judge_scoring"].values()) == {"padded"}
-    assert (runs["eval_false"] / "DONE").is_file()
+    evaluation = _backends(runs["eval_true"])
+    assert evaluation["decoder"] == "static" and set(evaluation["judge_scoring"].values()) == {"packed"}
+    assert all((runs[f"{stage}_{fast}"] / "DONE").is_file() for stage in ("grpo", "eval") for fast in ("true", "false"))
+
+
+@pytest.mark.parametrize("stage", ["grpo", "eval"])
+def test_plain_and_fast_paths_both_finish_grpo_and_eval(runs, stage):
+    """Sampling differs by path (the static decoder draws its own noise), so GRPO's losses and eval's replies
+    are compared only in kind: both paths train and score every premise."""
+    if stage == "grpo":
+        fast, plain = _losses(runs["grpo_true"]), _losses(runs["grpo_false"])
+        assert len(fast) == len(plain) >= 2
+    else:
+        fast, plain = (json.loads((runs[f"eval_{f}"] / "eval.json").read_text()) for f in ("true", "false"))
+        assert fast.keys() == plain.keys()

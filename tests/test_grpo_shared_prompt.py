@@ -15,7 +15,7 @@ from trl import GRPOTrainer
 
 from common.config import GRPOStageConfig
 from common.data import token_ids
-from common.shared_prompt import _replies_together
+from common.fast.shared_prompt import _replies_together
 
 PROMPT_WORDS = [30, 7, 55, 12]  # premises of different lengths: left padding differs per row
 
@@ -54,7 +54,7 @@ def trainer(request, tiny_model, tmp_path_factory):
     run = type("R", (), {"dir": tmp_path_factory.mktemp("grpo"), "manifest": {}})()
     _judge.__name__ = "judge"
     trainer = load_stage("04_train_grpo.py").build_trainer(config, run, model, _judge, prompts, tokenizer)
-    assert "shared_prompt" in run.manifest["patches"]
+    assert "group_in_one_sequence" in run.manifest["patches"]
     trainer.tolerance = TOLERANCE[request.param]
     return trainer
 

@@ -1,4 +1,5 @@
-"""common.nf4_matmul against bitsandbytes' own dequantisation: x @ dequantize_4bit(W).T.
+"""The Triton NF4 kernels against bitsandbytes' own dequantisation: the pipeline's dequantise pass
+(common/fast/nf4_dequantize.py) and the fused matmul kept in bench/ (bench/nf4_fused.py), x @ dequantize_4bit(W).T.
 
 With CUDA the kernel is compiled and every test runs on the GPU. Without, it runs under Triton's CPU
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1). The interpreter's tl.dot mishandles bf16 (it
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,12 @@ TOL = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 2e-3, t
 @pytest.fixture(scope="module")
 def nf4():
     pytest.importorskip("triton", reason="triton not installed")
-    import common.nf4_matmul as nf4
-    assert nf4.available()
-    return nf4
+    sys.path.insert(0, str(REPO / "bench"))
+    import nf4_fused
+
+    from common.fast import nf4_dequantize
+    assert nf4_fused.available() and nf4_dequantize.available()
+    return types.SimpleNamespace(nf4_linear=nf4_fused.nf4_linear, nf4_dequantize=nf4_dequantize.nf4_dequantize)
 
 
 def quantized(n, k, blocksize=64, device=DEVICE, seed=0):
@@ -132,7 +137,7 @@ def test_dequantize_gives_bitsandbytes_bf16_values_gpu(nf4):
 
 def test_importable_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.path.insert(0, '.');"
-            "import common.nf4_matmul as m; assert not m.available()")
+            "import common.fast.nf4_dequantize as m; assert not m.available()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

@@ -1,4 +1,4 @@
-"""Padding-free reward-model training (`padding_free`, common/padding_free.py), and which models may
+"""Padding-free reward-model training (`padding_free`, common/fast/padding_free.py), and which models may
 drop their attention mask (`unmask_right_padding`: causal decoders only).
 
 The packed forward gives the padded model's rewards, row for row; one optimiser step of padding-free
@@ -12,9 +12,9 @@ from conftest import TINY
 from test_token_budget import BUDGET, _lora_model, _relative_error, build, one_step
 
 from common.config import ConfigError, ModelArgs, RewardStageConfig
-from common.padding_free import unpad_rows
-from common.patches import unmask_right_padding
-from common.shared_prompt import common_prefix, pack
+from common.fast.model_changes import unmask_right_padding
+from common.fast.padding_free import unpad_rows
+from common.fast.shared_prompt import common_prefix, pack
 
 
 def test_packed_row_mask_keeps_groups_and_branches_apart():
@@ -71,9 +71,9 @@ def test_padding_free_step_equals_one_padded_batch(tmp_path, budget, share):
     plain = build("reward", tmp_path / "plain")
     loss, grads, sizes = one_step(plain)
     assert sizes == [16] and "unmask_right_padding" in plain.applied
-    packed = build("reward", tmp_path / "packed", max_tokens_per_batch=budget, padding_free=True, shared_prompt=share)
+    packed = build("reward", tmp_path / "packed", max_tokens_per_batch=budget, padding_free=True, prompt_once_per_pair=share)
     assert packed.applied[0] == "padding_free" and "unmask_right_padding" not in packed.applied
-    assert ("shared_prompt" in packed.applied) == share
+    assert ("prompt_once_per_pair" in packed.applied) == share
     packed_loss, packed_grads, packed_sizes = one_step(packed)
     assert len(packed_sizes) > 1 and sum(packed_sizes) == 16  # several micro-batches, every pair once
     assert abs(packed_loss - loss) < 1e-5 * abs(loss)
@@ -85,9 +85,7 @@ def test_padding_free_step_equals_one_padded_batch(tmp_path, budget, share):
 def test_padding_free_budget_counts_real_tokens(tmp_path):
     trainer = build("reward", tmp_path, max_tokens_per_batch=BUDGET["reward"], padding_free=True)
     loader = trainer.get_train_dataloader()
-    from common.token_budget import example_sizes
-    lengths, rows = example_sizes(trainer)
-    assert rows == 0
+    assert loader.batch_sampler.rows == 0
     for batch in loader:  # what a micro-batch runs: the real tokens of both replies, within the budget
         real = int(batch["attention_mask"].sum())
         assert real <= BUDGET["reward"] or len(batch["input_ids"]) == 2

@@ -11,14 +11,14 @@ import trl
 
 
 def test_trainers_still_filter_columns_through_signature_columns():
-    # common.patches.add_length_column extends the column filter of TRL's trainers.
+    # common.fast.model_changes.add_length_column extends the column filter of TRL's trainers.
     for trainer in (trl.SFTTrainer, trl.RewardTrainer):
         assert callable(getattr(trainer, "_set_signature_columns_if_needed", None)), trainer
         assert "_signature_columns" in inspect.getsource(trainer._set_signature_columns_if_needed)
 
 
 def test_grpo_still_tokenizes_prompts_and_accepts_a_rollout_function():
-    # common.generation.grpo_rollout tokenises prompts exactly as TRL does, and is passed as rollout_func.
+    # common.static_decoder.grpo_rollout tokenises prompts exactly as TRL does, and is passed as rollout_func.
     assert callable(getattr(trl.GRPOTrainer, "_tokenize_prompts", None))
     assert "rollout_func" in inspect.signature(trl.GRPOTrainer.__init__).parameters
 
@@ -28,7 +28,7 @@ def test_length_column_survives_the_column_filter(tiny_model):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from common import trl_compat
-    from common.patches import add_length_column
+    from common.fast.model_changes import add_length_column
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -42,7 +42,7 @@ def test_length_column_survives_the_column_filter(tiny_model):
 
 
 def test_trainer_hooks_of_token_budget_batches_still_exist():
-    # common.token_budget: the Trainer's column filter (private), the step's micro-batches fetched in
+    # common.fast.token_budget: the Trainer's column filter (private), the step's micro-batches fetched in
     # get_batch_samples, and training_step reading loss_is_scaled_for_ga (transformers >= 5.19).
     import transformers
     trainer = transformers.Trainer
@@ -71,7 +71,7 @@ def test_batch_folded_rope_equals_the_batched_one_values_and_gradients():
     per batch size, compiles once; the rotation (and its gradient) is that of the batched call."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from common.patches import batch_folded_rope
+    from common.fast.model_changes import batch_folded_rope
     q, k, cos, sin = _rope_inputs()
     results = []
     for rope in (apply_rotary_pos_emb, batch_folded_rope(apply_rotary_pos_emb)):
@@ -90,7 +90,7 @@ def test_gpu_batch_folded_liger_rope_equals_hf_rope():
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from common.patches import batch_folded_rope
+    from common.fast.model_changes import batch_folded_rope
     q, k, cos, sin = (t.detach().cuda() for t in _rope_inputs(B=4, H=32, KV=8, T=40, D=128))
     ref = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     mine = batch_folded_rope(liger_rotary_pos_emb)(q.transpose(1, 2).clone(), k.transpose(1, 2).clone(), cos, sin)

@@ -202,7 +202,7 @@ def test_grpo_runs_data_parallel_in_two_processes(pipeline):
     assert not list(pipeline["runs"].glob("Two_Process_GRPO_*"))  # one directory for both processes
     two = json.loads((run / "manifest.json").read_text())
     one = json.loads((pipeline["grpo"] / "manifest.json").read_text())
-    assert two["processes"] == 2 and one["processes"] == 1 and "shared_prompt" in two["patches"]
+    assert two["processes"] == 2 and one["processes"] == 1 and "group_in_one_sequence" in two["patches"]
     first_step = [json.loads((r / "metrics.json").read_text())["log_history"][0] for r in (pipeline["grpo"], run)]
     # num_tokens counts the prompt and reply tokens of the step's completions, over all processes
     assert first_step[1]["num_tokens"] > 1.5 * first_step[0]["num_tokens"]

@@ -132,7 +132,9 @@ def test_no_repeat_ngram_static_decoder_equals_hf_generate_and_repeats_nothing(t
     """In fp32, where the two decoders' logits agree to float precision (bf16 can flip near-ties)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-    from common.generation import ReplyNgramBlock, decode, eos_ids
+    from common.fast.static_decoder import decode
+    from common.model import eos_ids
+    from common.ngram_block import ReplyNgramBlock
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts = [[0, 3, 442, 271, 4] + [10 + (i % 3)] * n for i, n in enumerate((4, 9, 4))]

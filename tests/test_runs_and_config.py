@@ -7,6 +7,7 @@ import multiprocessing
 from dataclasses import dataclass
 
 import pytest
+from conftest import REPO
 
 from common.cli import parse_config
 from common.config import ConfigError, ModelArgs, RunArgs, TrainArgs
@@ -139,3 +140,29 @@ def test_a_library_too_old_is_one_error_line_at_start_up(monkeypatch):
         cli.check_versions()
     monkeypatch.setattr(importlib.metadata, "version", real)
     cli.check_versions()  # the pinned versions pass
+
+
+# --- renamed fields: `shared_prompt` meant three things ----------------------------------------------
+
+@pytest.mark.parametrize("recipe,new", [("04_train_dpo", "pair_in_one_sequence"),
+                                        ("04_train_grpo", "group_in_one_sequence")])
+def test_a_config_with_an_old_field_name_is_told_the_new_one(tmp_path, recipe, new):
+    from common.config import DPOStageConfig, GRPOStageConfig
+    cls = DPOStageConfig if recipe == "04_train_dpo" else GRPOStageConfig
+    path = tmp_path / "old.yaml"
+    path.write_text((REPO / "configs" / "llama3-8b" / f"{recipe}.yaml").read_text().replace(f"{new}:", "shared_prompt:"))
+    with pytest.raises(ConfigError, match=f"{path}: unknown field 'shared_prompt' \\(renamed: use '{new}'\\)"):
+        parse_config(cls, ["--config", str(path)])
+    with pytest.raises(ConfigError, match="unknown field '--shared_prompt_attention' \\(renamed: use 'one_sequence_attention'\\)"):
+        parse_config(cls, ["--config", str(REPO / "configs" / "llama3-8b" / f"{recipe}.yaml"),
+                           "--shared_prompt_attention", "sdpa"])
+
+
+def test_an_earlier_runs_config_is_read_under_the_new_names(tmp_path):
+    from common.config import load_run_config
+    run = tmp_path / "Dec01_Reward_Run1"
+    run.mkdir()
+    (run / "manifest.json").write_text(json.dumps({"stage": "Reward"}))
+    (run / "config.yaml").write_text("pairs_run: p\nmodel_name_or_path: m\npadding_free: true\nshared_prompt: false\n")
+    config = load_run_config(run)
+    assert config.padding_free and config.prompt_once_per_pair is False

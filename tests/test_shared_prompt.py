@@ -1,4 +1,4 @@
-"""Shared-prompt DPO (common/shared_prompt.py) against TRL's own two-sequence DPO, on the same batch,
+"""Shared-prompt DPO (common/fast/shared_prompt.py) against TRL's own two-sequence DPO, on the same batch,
 through TRL's own loss: the tiny model with a LoRA adapter that is not the identity and a policy that
 is not its reference, pairs of unequal prompt and reply lengths (so padding and per-pair shifts matter).
 Twice: in float32 (the layouts must agree to float32 rounding) and as the pipeline runs it, 4-bit NF4
@@ -11,7 +11,7 @@ from conftest import TINY, exact_fp32, load_stage, words
 from datasets import Dataset
 
 from common.config import DPOStageConfig
-from common.shared_prompt import SHARED_KEYS, SharedPromptCollator, branch_mask
+from common.fast.shared_prompt import SHARED_KEYS, SharedPromptCollator, branch_mask
 
 LENGTHS = [(40, 12, 25), (9, 30, 3), (70, 5, 18)]  # words of prompt, chosen, rejected
 
@@ -45,7 +45,7 @@ def trainer(request, tiny_model, tmp_path_factory):
              "rejected": [{"role": "assistant", "content": words(r, i + 2)}]} for i, (p, c, r) in enumerate(LENGTHS)]
     run = type("R", (), {"dir": tmp_path_factory.mktemp("dpo"), "manifest": {}})()
     trainer = load_stage("04_train_dpo.py").build_trainer(config, run, model, tokenizer, Dataset.from_list(rows))
-    assert "ref" in model.peft_config and run.manifest["patches"][:2] == ["unmask_right_padding", "shared_prompt"]
+    assert "ref" in model.peft_config and run.manifest["patches"][:2] == ["unmask_right_padding", "pair_in_one_sequence"]
     with torch.no_grad():  # the policy moves away from its reference (TRL's frozen `ref` copy): loss != log 2
         for name, p in model.named_parameters():
             if "lora_B.default" in name:

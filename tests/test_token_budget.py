@@ -1,4 +1,4 @@
-"""Token-budget micro-batches (`max_tokens_per_batch`, common/token_budget.py).
+"""Token-budget micro-batches (`max_tokens_per_batch`, common/fast/token_budget.py).
 
 The packing: every example once per epoch, no micro-batch over the budget unless it is one
 over-long example, the same micro-batches each epoch in a new order. The collators: a micro-batch's
@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import TINY, exact_fp32, load_stage, words
 
-from common import token_budget
 from common.config import DPOStageConfig, RewardStageConfig, SFTStageConfig
-from common.token_budget import TokenBudgetBatchSampler, pack
+from common.fast import token_budget
+from common.fast.token_budget import TokenBudgetBatchSampler, pack
 
 # words of prompt, chosen, rejected: unequal, so micro-batches differ in size and padding matters
 LENGTHS = [(40, 12, 25), (9, 30, 3), (70, 5, 18), (3, 4, 6), (20, 40, 9), (12, 7, 30), (5, 3, 2), (33, 22, 11)]
@@ -68,7 +68,7 @@ def build(kind, tmp_path, **over):
     if kind == "reward":
         import trl
 
-        from common import patches
+        from common import fast
         from common.rewards import RewardScorer, preference_dataset
         from common.training import trainer_args
         config = RewardStageConfig(pairs_run="unused", **COMMON, **over)
@@ -77,7 +77,7 @@ def build(kind, tmp_path, **over):
         args = trainer_args(trl.RewardConfig, config, _run(tmp_path), max_length=config.max_length)
         trainer = trl.RewardTrainer(model=scorer.model, args=args, processing_class=tokenizer,
                                     train_dataset=preference_dataset(_rows(), scorer))
-        trainer.applied = patches.apply(trainer, config)
+        trainer.applied = fast.apply(trainer, config)
         exact_fp32()
         return trainer
     config = DPOStageConfig(sft_run="unused", **COMMON, **over)
@@ -143,12 +143,12 @@ def test_every_example_once_per_epoch_within_the_budget():
 
 @pytest.mark.parametrize("kind,over,key", [("sft", {}, "input_ids"), ("reward", {}, "input_ids"),
                                            ("dpo", {}, "shared_input_ids"),
-                                           ("dpo", {"shared_prompt": False}, "input_ids")])
+                                           ("dpo", {"pair_in_one_sequence": False}, "input_ids")])
 def test_micro_batches_pad_to_what_the_budget_counts(kind, over, key, tmp_path):
     budget = BUDGET[kind] * (2 if key == "input_ids" and kind == "dpo" else 1)
     trainer = build(kind, tmp_path, max_tokens_per_batch=budget, **over)
-    lengths, rows = token_budget.example_sizes(trainer)
     loader = trainer.get_train_dataloader()
+    lengths, rows = loader.batch_sampler.lengths, loader.batch_sampler.rows  # as the trainer's layout costs them
     seen, sizes = 0, []
     for batch in loader:
         n = len(batch["input_ids"]) // (2 if kind != "sft" else 1)
@@ -174,7 +174,7 @@ def test_token_budget_step_equals_one_plain_batch(kind, tmp_path):
     trainer = build(kind, tmp_path)  # per_device_train_batch_size = every example: one plain batch
     plain_loss, plain_grads, plain_sizes = one_step(trainer)
     assert len(plain_sizes) == 1
-    token_budget.batch_by_tokens(trainer, BUDGET[kind])
+    token_budget.batch_by_tokens(trainer, BUDGET[kind], token_budget.ONE_SEQUENCE if kind == "dpo" else token_budget.PADDED)
     if kind != "sft":
         token_budget.weigh_pairs_per_step(trainer)
     loss, grads, sizes = one_step(trainer)

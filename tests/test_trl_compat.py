@@ -41,7 +41,7 @@ def test_a_missing_name_is_one_error_naming_the_versions(monkeypatch):
         trl_compat.check()
     message = str(err.value)
     assert message.startswith("trl 9.9.0 is installed and lacks what the pipeline relies on: "
-                              "GRPOTrainer._tokenize_prompts is missing (used by generation.grpo_rollout")
+                              "GRPOTrainer._tokenize_prompts is missing (used by static_decoder.grpo_rollout")
     assert "tested with trl 1.16.0 (requirements.txt)" in message
     assert "transformers" not in message.split("(used by")[0]  # only the library that lacks it is named
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from common.data import SENTENCE_END, DataError, n_words
+from common.data import SENTENCE_END, DataError, n_words, text_field
 
 NAME = "cmv"
 INSTRUCTION = ("Below is a post from r/ChangeMyView, where the author asks others to change their view. "
@@ -91,21 +91,6 @@ def scrub(text: str) -> tuple[str, list[str]]:
     return text, fired
 
 
-def _field(row: dict, name: str, where: str, required: bool):
-    value = row.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        got = "missing" if name not in row else f"{type(value).__name__} {value!r:.40}"
-        raise DataError(f"{where}: field '{name}' must be a string, got {got}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800: valid JSON, not text
-        raise DataError(f"{where}: field '{name}' is not valid Unicode (unpaired surrogate "
-                        f"{value[err.start]!r} at character {err.start + 1})") from None
-    return value
-
-
 def content_id(group_id: str, winner: str, loser: str) -> str:
     """A stable id for a row without `pair_id`: the digest of what the pair says (post and both replies,
     as written), so the same row read again, from any line or file, gets the same id."""
@@ -146,8 +131,8 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
     the file: a repeated row gets the same id."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    fields = {name: _field(row, name, where, True) for name in REQUIRED_STR}
-    fields.update({name: _field(row, name, where, False) for name in OPTIONAL_STR})
+    fields = {name: text_field(row, name, where, True) for name in REQUIRED_STR}
+    fields.update({name: text_field(row, name, where, False) for name in OPTIONAL_STR})
     if not fields["op_id"].strip():  # the post's id groups pairs into splits: without it, no grouping
         raise DataError(f"{where}: field 'op_id' must be a non-empty string, got {fields['op_id']!r}")
     winner, loser = fields["positive_reply"].strip(), fields["negative_reply"].strip()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from common.config import ConfigError
-from common.data import DataError, load_split, n_words
+from common.data import DataError, load_split, n_words, text_field
 
 NAME = "review"
 TARGETS = ("merged", "per_review")
@@ -76,20 +76,6 @@ def _type_error(where: str, name: str, want: str, value, present: bool = True):
     return DataError(f"{where}: field '{name}' must be {want}, got {got}")
 
 
-def _str(obj: dict, name: str, where: str, required: bool, label: str | None = None):
-    value = obj.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        raise _type_error(where, label or name, "a string", value, name in obj)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800: valid JSON, not text
-        raise DataError(f"{where}: field '{label or name}' is not valid Unicode (unpaired surrogate "
-                        f"{value[err.start]!r} at character {err.start + 1})") from None
-    return value
-
-
 def _number(obj: dict, name: str, where: str, label: str, scale: tuple[int, int]):
     """A rating on its scale, or None. Off the scale it is a bad row: averaged into a target it would
     teach a rating the scale has not (and that parse_review cannot read back)."""
@@ -113,7 +99,7 @@ def _reviews(row: dict, where: str) -> list[dict]:
         label = f"reviews[{i}]"
         if not isinstance(rv, dict):
             raise _type_error(where, label, "an object", rv)
-        out.append({"index": i, "text": (_str(rv, "text", where, False, f"{label}.text") or "").strip(),
+        out.append({"index": i, "text": (text_field(rv, "text", where, False, f"{label}.text") or "").strip(),
                     "rating": _number(rv, "rating", where, f"{label}.rating", SCALES["overall"]),
                     "confidence": _number(rv, "confidence", where, f"{label}.confidence", SCALES["confidence"])})
     return out
@@ -286,8 +272,8 @@ def to_examples(row, where: str, review_target: str = "merged"):
         raise ValueError(f"review_target must be one of {', '.join(TARGETS)}, got {review_target!r}")
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    paper_id = _str(row, "paper_id", where, True)
-    title, abstract, body = (_str(row, k, where, False) or "" for k in ("title", "abstract", "paper_markdown_main"))
+    paper_id = text_field(row, "paper_id", where, True)
+    title, abstract, body = (text_field(row, k, where, False) or "" for k in ("title", "abstract", "paper_markdown_main"))
     reviews = [r for r in _reviews(row, where) if _rated(r)]
     if not body.strip():
         return "no_paper_text"

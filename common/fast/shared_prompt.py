@@ -1,4 +1,5 @@
-"""Replies to one prompt with the prompt computed once: DPO's pairs, GRPO's update, packed rows.
+"""Replies to one prompt with the prompt computed once: DPO's `pair_in_one_sequence`, GRPO's
+`group_in_one_sequence`, the reward model's `prompt_once_per_pair` (packed rows).
 
 TRL's DPOTrainer runs a pair as two sequences, prompt + chosen and prompt + rejected, so a 19k-token
 paper goes through the 4-bit model twice (and twice more for the reference) for two 1k-token
@@ -25,10 +26,10 @@ metric TRL computes from those fields therefore stays TRL's.
 The same idea for any number of replies (`pack`, `Packed`): rows of groups, each a prefix and its
 branches, end to end. GRPO's update runs a premise with its 4 replies that way
 (`share_grpo_prompts`), and the reward model and its judge a pair's or a premise's replies
-(common/padding_free.py).
+(padding_free.py).
 
 Attention (`branch_mask`, one rule for all of them): causal, within a group, a branch seeing its
-prompt and itself. flex_attention (the GPU default, `shared_prompt_attention`) gets a BlockMask, which
+prompt and itself. flex_attention (the GPU default, `one_sequence_attention`) gets a BlockMask, which
 skips the blocks the rule masks out; sdpa gets the same rule as a boolean (rows, 1, L, L) mask, which
 sends it to a slower masked kernel (bench/RESULTS.md) and is what the CPU runs.
 """
@@ -145,7 +146,6 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
         return out
 
     model.forward = shared_forward
-    model.shares_prompt = True
     return attention
 
 

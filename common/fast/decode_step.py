@@ -1,4 +1,4 @@
-"""One decode step of a Llama decoder with LoRA in few kernels: what `generation.decode` replays.
+"""One decode step of a Llama decoder with LoRA in few kernels: what `static_decoder.decode` replays.
 
 A decode step (one new token for each of B sequences) through the model's modules launches about
 70 kernels a layer: peft runs each LoRA linear as five, a 4-bit weight adds three to dequantise,
@@ -14,8 +14,8 @@ The LoRA adapter is not merged: `DecodeStep` copies its live weights (in the com
 training's bf16 autocast runs them) each time a decode starts. Base weights, `weights`:
 - "nf4": each 4-bit weight is dequantised into one scratch buffer on every step, as bitsandbytes
   does, but with the absmax of double quantisation decoded once and kept on the model (the base is
-  frozen; 4 bytes per 64 weights). On a GPU a Triton kernel dequantises (`NF4_KERNEL`,
-  common/nf4_matmul.py).
+  frozen; 4 bytes per 64 weights). On a GPU with Triton a Triton kernel dequantises
+  (common/fast/nf4_dequantize.py), else bitsandbytes' own: `nf4_dequantizer` says which.
 - "bf16": stacked bf16 copies kept on the model (`_dense_base`, 2 bytes a weight), made at the first
   decode: no dequantising per token, for GPUs with room.
 A base that is not 4-bit (a full-precision test model) is stacked at each decode.
@@ -27,16 +27,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.activations import ACT2FN  # internal, as are Llama's head_dim, scaling, rotary_emb: trl_compat
 
-from common import nf4_matmul
+from common.fast import nf4_dequantize
 
-# How the nf4 step reads its 4-bit base weights on a GPU with Triton (common/nf4_matmul.py):
-# "triton": dequantised into the scratch buffer by a Triton kernel, then cuBLAS;
-# "bitsandbytes": the same with bitsandbytes' own dequantisation kernel (the only choice without Triton);
-# "fused": one Triton kernel that dequantises in registers and multiplies, no scratch. It is correct but
-#   slower so far than dequantising + cuBLAS, hence not the default (docs/performance.md).
-NF4_KERNEL = "triton"
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
-# whatever training turned off (cuDNN: `patches.no_cudnn_attention`): faster than two grouped matmuls or
+# whatever training turned off (cuDNN: `model_changes.no_cudnn_attention`): faster than two grouped matmuls or
 # cuDNN alone (timed by bench/profile_decode.py; docs/performance.md).
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
@@ -70,11 +64,17 @@ def _absmax(model, name, linear) -> torch.Tensor:
     return cache[name]
 
 
+def nf4_dequantizer(device) -> str:
+    """Which kernel dequantises 4-bit weights on `device` for the nf4 step: "triton" on a GPU with Triton,
+    else "bitsandbytes"."""
+    return "triton" if torch.device(device).type == "cuda" and nf4_dequantize.available() else "bitsandbytes"
+
+
 def _dequantize_into(out, linear, absmax) -> None:
     qs = linear.weight.quant_state
     args = (linear.weight.data, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype)
-    if out.is_cuda and NF4_KERNEL == "triton" and qs.quant_type == "nf4" and nf4_matmul.available():
-        nf4_matmul.nf4_dequantize(linear.weight.data, absmax, qs.code, out, qs.blocksize)
+    if nf4_dequantizer(out.device) == "triton" and qs.quant_type == "nf4":
+        nf4_dequantize.nf4_dequantize(linear.weight.data, absmax, qs.code, out, qs.blocksize)
     elif out.is_cuda:
         torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
     else:  # bitsandbytes 0.50 registers the out= form for CUDA only
@@ -92,10 +92,9 @@ class _Group:
         self.in_features = bases[0].in_features
         rows = sum(self.sizes)
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
-        self.fused = self.nf4 and bases[0].weight.is_cuda and NF4_KERNEL == "fused" and nf4_matmul.available()
-        if self.nf4:  # read by the fused kernel, or dequantised into `scratch` at each step
+        if self.nf4:  # dequantised into `scratch` at each step
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
-            self.weight = None if self.fused else scratch[:rows * self.in_features].view(rows, self.in_features)
+            self.weight = scratch[:rows * self.in_features].view(rows, self.in_features)
         elif all(_is_4bit(b) for b in bases):  # bf16 copies, made once: the base is frozen
             from bitsandbytes.functional import dequantize_4bit
             cache = model.__dict__.setdefault("_dense_base", {})
@@ -120,21 +119,12 @@ class _Group:
                 o0 += size
 
     def __call__(self, x, residual=None):
-        if self.fused:  # each 4-bit weight read once, dequantised in registers, into its columns of y
-            y = torch.empty(x.shape[0], sum(self.sizes), dtype=x.dtype, device=x.device)
-            o0 = 0
-            for (linear, absmax), size in zip(self.bases, self.sizes):
-                qs = linear.weight.quant_state
-                nf4_matmul.nf4_linear(x, linear.weight.data, absmax, qs.code, size, self.in_features, qs.blocksize,
-                                      out=y[:, o0:o0 + size], residual=residual)  # a residual: one linear
-                o0 += size
-        elif self.nf4:
+        if self.nf4:
             o0 = 0
             for (linear, absmax), size in zip(self.bases, self.sizes):
                 _dequantize_into(self.weight[o0:o0 + size], linear, absmax)
                 o0 += size
-        if not self.fused:
-            y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
+        y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
         if self.lora_a is not None:
             y = torch.addmm(y, F.linear(x, self.lora_a), self.lora_b.t())
         return y
@@ -155,8 +145,7 @@ class DecodeStep:
         bases = [[getattr(m, "base_layer", m) for m in g] for g in groups[0]]
         widest = max(sum(b.weight.numel() * 2 for b in g if _is_4bit(b)) for g in bases)  # two weights a byte
         device = core.embed_tokens.weight.device
-        fused = device.type == "cuda" and NF4_KERNEL == "fused" and nf4_matmul.available()  # no scratch then
-        scratch = torch.empty(widest if weights == "nf4" and not fused else 0, dtype=dtype, device=device)
+        scratch = torch.empty(widest if weights == "nf4" else 0, dtype=dtype, device=device)
         self.layers = [(layer, *(_Group(model, [names[id(m)] for m in g], g, weights, dtype, scratch) for g in gs))
                        for layer, gs in zip(core.layers, groups)]
         attn = core.layers[0].self_attn

@@ -1,10 +1,9 @@
-"""Triton kernels over bitsandbytes NF4 weights, for GRPO's decode step (common/decode_step.py).
+"""A fused NF4 matmul in Triton, tried for the decode step (common/fast/decode_step.py); not run by the pipeline.
 
-- `nf4_dequantize`: bitsandbytes' dequantisation (bit-equal values) as one memory-bound pass, the one
-  the decode step runs, as it is faster than bitsandbytes' kernel (docs/performance.md).
-- `nf4_linear`: out = x @ W^T (+ residual) with W dequantised in registers, never stored: one kernel.
-  Correct, but slower so far than dequantising + cuBLAS at every tiling tried (docs/performance.md),
-  so the decode step does not use it unless `decode_step.NF4_KERNEL = "fused"`.
+`nf4_linear`: out = x @ W^T (+ residual) with W dequantised in registers, never stored: one kernel.
+Correct, but slower so far than dequantising + cuBLAS (common/fast/nf4_dequantize.py) at every tiling
+tried (docs/performance.md), so the pipeline does not run it: it is kept here, with its benchmark
+(bench/bench_nf4_matmul.py), for a next attempt.
 
 For the decode step (x is M x K with M the batch of sequences, 1 to 128): bitsandbytes writes each
 weight out in bf16 and cuBLAS reads it back, three passes over 2-byte weights; `nf4_linear` reads each
@@ -42,18 +41,11 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CI: requirements.txt has no triton
-    triton = None
-
-
-def available() -> bool:
-    return triton is not None
-
+from common.fast.nf4_dequantize import available, triton  # noqa: F401 (available: this module's too)
 
 if triton is not None:
+    import triton.language as tl
+
 
     @triton.jit
     def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, out_ptr, res_ptr, ws_ptr,
@@ -114,33 +106,6 @@ if triton is not None:
         if HAS_RESIDUAL:
             acc += tl.load(res_ptr + m * stride_rm + n, mask=mask).to(tl.float32)
         tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-    @triton.jit
-    def _nf4_dequantize_kernel(packed_ptr, absmax_ptr, code_ptr, out_ptr, n_bytes,
-                               BYTES_PER_ABSMAX: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n_bytes
-        p = tl.load(packed_ptr + i, mask=mask, other=0).to(tl.int32)
-        a = tl.load(absmax_ptr + i // BYTES_PER_ABSMAX, mask=mask, other=0.0)
-        hi = tl.load(code_ptr + (p >> 4)) * a  # the even element
-        lo = tl.load(code_ptr + (p & 15)) * a
-        w = tl.reshape(tl.join(hi, lo), (2 * BLOCK,)).to(out_ptr.dtype.element_ty)
-        o = tl.program_id(0) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-        tl.store(out_ptr + o, w, mask=o < 2 * n_bytes)
-
-
-def nf4_dequantize(packed, absmax, code, out, blocksize=64, block=2048) -> torch.Tensor:
-    """bitsandbytes' NF4 dequantisation (the same values, rounded to out's dtype as it rounds them) into `out`
-    (contiguous, numel = 2 x packed bytes): a memory-bound pass that reads half a byte and writes one weight
-    per element. The decode step's nf4 mode runs it in place of bitsandbytes' kernel (bench/RESULTS.md)."""
-    if triton is None:
-        raise RuntimeError("nf4_dequantize needs triton (not installed)")
-    n_bytes = packed.numel()
-    assert out.is_contiguous() and out.numel() == 2 * n_bytes and absmax.numel() * blocksize == 2 * n_bytes
-    _nf4_dequantize_kernel[(triton.cdiv(n_bytes, block),)](packed, absmax, code, out, n_bytes,
-                                                           BYTES_PER_ABSMAX=blocksize // 2, BLOCK=block, num_warps=8)
-    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
+from common.fast.shared_prompt import common_prefix, pack
 from common.model import unwrap_peft
-from common.shared_prompt import common_prefix, pack
 from common.trl_compat import attn_implementation
 
 
@@ -89,5 +89,4 @@ def unpad_rows(model, share_prompt: bool = False) -> str:
         return SequenceClassifierOutputWithPast(logits=logits[torch.argsort(order)])  # TRL's row order
 
     model.forward = padding_free_forward
-    model.padding_free = True
     return attention

@@ -1,57 +1,64 @@
 """Every change to the model or its data that a config asks for, in one place.
 
-Each stage's `build_trainer` calls `apply(trainer, config)` once its TRL trainer exists, and the
-run's manifest records what was applied (`patches`, and `backends`). With `fast_paths: false` the
-config asks for none of them (common/config.py, PLAIN_PATHS), and the two that are not fields of a
-config (unmask_right_padding, no_cudnn_attention) are left off too: plain TRL and transformers. Nothing else in the pipeline changes a model's
-forward or a trainer's data behind the config's back.
+Each stage's `build_trainer` calls `apply(trainer, config)` once its TRL trainer exists; it returns
+the names of what it applied, which the run's manifest records (`patches`, and `backends`). DPO's pair
+as one sequence needs its collator when the trainer is built: `one_sequence_collator` makes it first.
+With `fast_paths: false` the config asks for none of them (common/config.py, PLAIN_PATHS), and the two
+that are not fields of a config (unmask_right_padding, no_cudnn_attention) are left off too: plain TRL
+and transformers. Nothing else in the pipeline changes a model's forward or a trainer's data behind
+the config's back.
 
 | change | when | what it does |
 | --- | --- | --- |
 | unmask_right_padding | causal models (training) | drops the attention mask of right-padded batches: SDPA's flash kernel instead of the masked one |
-| padding_free | the reward model's padding_free | a micro-batch's sequences as one row, no padding (common/padding_free.py) |
-| shared_prompt | reward: padding_free and shared_prompt | a pair's two replies share their prompt in that row |
+| padding_free | the reward model's padding_free | a micro-batch's sequences as one row, no padding (padding_free.py) |
+| prompt_once_per_pair | reward: padding_free and prompt_once_per_pair | a pair's two replies share their prompt in that row |
+| pair_in_one_sequence | DPO's pair_in_one_sequence | a pair as one sequence (shared_prompt.py; its collator made by `one_sequence_collator`) |
+| group_in_one_sequence | GRPO's group_in_one_sequence | a premise and its replies as one sequence in the update (`shared_prompt.share_grpo_prompts`) |
 | no_cudnn_attention | always, on a GPU | SDPA's flash kernel rather than cuDNN's, which plans anew for every sequence length |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
-| batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (common/token_budget.py) |
+| batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (token_budget.py) |
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
 | offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE (the RoPE through `batch_folded_rope`) |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
-| shared_prompt | DPO's shared_prompt | a pair as one sequence (common/shared_prompt.py; installed before TRL's DPOTrainer is built) |
-| shared_prompt | GRPO's shared_prompt | a premise and its replies as one sequence in the update (`shared_prompt.share_grpo_prompts`) |
 """
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
-from common import padding_free, shared_prompt, token_budget, trl_compat
-from common.config import GRPOStageConfig, TrainArgs
+from common import trl_compat
+from common.config import DPOStageConfig, TrainArgs
+from common.fast import padding_free, shared_prompt, token_budget
 from common.model import unwrap_peft
 
 log = logging.getLogger("pipeline")
+_LIGER_MODELS = weakref.WeakSet()  # models whose modules Liger has already replaced
 
 
 def apply(trainer, config: TrainArgs) -> list[str]:
     """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
-    applied = []
-    share = getattr(config, "shared_prompt", False)
+    applied, layout = [], token_budget.PADDED
     if getattr(config, "padding_free", False):
+        share = config.prompt_once_per_pair
         padding_free.unpad_rows(trainer.model, share_prompt=share)
-        applied += ["padding_free"] + (["shared_prompt"] if share else [])
+        applied += ["padding_free"] + (["prompt_once_per_pair"] if share else [])
+        layout = token_budget.PADDING_FREE
     elif config.fast_paths and unmask_right_padding(trainer.model):
         applied.append("unmask_right_padding")
-    if getattr(trainer.model, "shares_prompt", False):  # DPO: installed before its trainer was built
-        applied.append("shared_prompt")
-    if share and isinstance(config, GRPOStageConfig):
-        shared_prompt.share_grpo_prompts(trainer, config.shared_prompt_attention)
-        applied.append("shared_prompt")
+    if isinstance(getattr(trainer, "data_collator", None), shared_prompt.SharedPromptCollator):
+        applied.append("pair_in_one_sequence")  # installed with its collator, before the trainer was built
+        layout = token_budget.ONE_SEQUENCE
+    if getattr(config, "group_in_one_sequence", False):
+        shared_prompt.share_grpo_prompts(trainer, config.one_sequence_attention)
+        applied.append("group_in_one_sequence")
     if config.group_by_length and add_length_column(trainer):
         applied.append("add_length_column")
     if config.max_tokens_per_batch:
-        token_budget.batch_by_tokens(trainer, config.max_tokens_per_batch)
+        token_budget.batch_by_tokens(trainer, config.max_tokens_per_batch, layout)
         applied.append("batch_by_tokens")
         if token_budget.is_pairwise(trainer):  # TRL's reward and DPO losses: a mean per micro-batch
             token_budget.weigh_pairs_per_step(trainer)
@@ -69,6 +76,18 @@ def apply(trainer, config: TrainArgs) -> list[str]:
         applied.append("no_cudnn_attention")
     log.info("model and data changes: %s", ", ".join(applied) or "none")
     return applied
+
+
+def one_sequence_collator(model, tokenizer, config: DPOStageConfig):
+    """DPO's pair as one sequence, when the config asks for it: wraps the model's forward and returns
+    the collator that lays pairs out for it (else None, TRL's own collator). Called before the
+    DPOTrainer is built, since TRL may precompute reference log-probs in its constructor; `apply`
+    then records it. Returns (collator, the attention it runs)."""
+    if config.loss != "dpo" or not config.pair_in_one_sequence:
+        return None, None
+    attention = shared_prompt.share_prompt(model, config.one_sequence_attention)
+    return shared_prompt.SharedPromptCollator(pad_token_id=tokenizer.pad_token_id, max_length=config.max_length), \
+        attention
 
 
 def backends(config, applied: list[str], **parts: str) -> dict:
@@ -110,13 +129,13 @@ def apply_liger_kernels(trainer) -> bool:
     judges = [getattr(f, "scorer", f) for f in getattr(trainer, "reward_funcs", [])]  # WatchedReward wraps one
     models = [trainer.model] + [getattr(j, "model", None) for j in judges]
     for model in models:
-        if model is not None and not getattr(model, "_liger_applied", False):
+        if model is not None and model not in _LIGER_MODELS:
             llama = unwrap_peft(model).config.model_type == "llama"
             _apply_liger_kernel_to_instance(unwrap_peft(model), rope=not llama, rms_norm=True, swiglu=True,
                                             cross_entropy=False, fused_linear_cross_entropy=False)
             if llama:  # as Liger patches it (for every Llama of the process), batch folded
                 modeling_llama.apply_rotary_pos_emb = batch_folded_rope(liger_rotary_pos_emb)
-            model._liger_applied = True
+            _LIGER_MODELS.add(model)
     return True
 
 

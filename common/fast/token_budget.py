@@ -7,7 +7,7 @@ uniform batches while every micro-batch carries about as many tokens.
 
 Padding: SFT's length-sorted micro-batches are nearly all real tokens, so SFT stays padded. The reward
 model's carry more padding (a pair's two replies differ in length; docs/performance.md); `padding_free`
-(common/padding_free.py) runs them without padding, and the budget then counts real tokens (rows 0 below).
+(padding_free.py) runs them without padding, and the budget then counts real tokens (rows 0 below).
 
 How: each example costs rows x length padded tokens: SFT one row of its sequence; the reward model
 two rows (chosen, rejected) of the longer reply; DPO its shared-prompt sequence (prompt + chosen +
@@ -69,7 +69,7 @@ class TokenBudgetBatchSampler(Sampler):
 
     def __init__(self, lengths: list[int], rows: int, budget: int, seed: int):
         self.batches = pack(lengths, rows, budget, seed)
-        self.rows, self.budget, self.seed, self.epoch = rows, budget, seed, 0
+        self.lengths, self.rows, self.budget, self.seed, self.epoch = lengths, rows, budget, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -83,14 +83,20 @@ class TokenBudgetBatchSampler(Sampler):
             yield self.batches[i]
 
 
-def example_sizes(trainer) -> tuple[list[int], int]:
+# How the trainer lays an example out, which sets its cost: TRL's padded rows, the reward model's
+# padding-free row (padding_free.py), or DPO's pair as one sequence (shared_prompt.py). `model_changes.apply`
+# knows which it installed and says so.
+PADDED, PADDING_FREE, ONE_SEQUENCE = "padded", "padding_free", "one_sequence"
+
+
+def example_sizes(trainer, layout: str = PADDED) -> tuple[list[int], int]:
     """Each example's padded length (rounded up to `pad_to_multiple_of`, as the collators pad) and rows."""
-    lengths, rows = _example_lengths(trainer)
+    lengths, rows = _example_lengths(trainer, layout)
     multiple = getattr(trainer.args, "pad_to_multiple_of", None) or 1
     return [-(-n // multiple) * multiple for n in lengths], rows
 
 
-def _example_lengths(trainer) -> tuple[list[int], int]:
+def _example_lengths(trainer, layout: str) -> tuple[list[int], int]:
     """Each training example's padded length and rows per example, from the trainer's tokenised
     dataset as its collator will pad it (SFT: input_ids; reward: chosen_ids, rejected_ids; DPO:
     prompt_ids, chosen_ids, rejected_ids, replies cut to max_length as TRL's collator cuts them)."""
@@ -101,11 +107,11 @@ def _example_lengths(trainer) -> tuple[list[int], int]:
         prompts = [len(p) for p in data["prompt_ids"]]
         chosen = [min(len(c), limit - p) for c, p in zip(data["chosen_ids"], prompts)]
         rejected = [min(len(r), limit - p) for r, p in zip(data["rejected_ids"], prompts)]
-        if getattr(trainer.model, "shares_prompt", False):  # one sequence: the prompt once, both replies
+        if layout == ONE_SEQUENCE:  # the prompt once, both replies
             return [p + c + r + 1 for p, c, r in zip(prompts, chosen, rejected)], 1
         return [p + max(c, r) for p, c, r in zip(prompts, chosen, rejected)], 2
     if {"chosen_ids", "rejected_ids"} <= columns:
-        if getattr(trainer.model, "padding_free", False):  # both replies, no padding (common/padding_free.py)
+        if layout == PADDING_FREE:  # both replies, no padding
             return [len(c) + len(r) for c, r in zip(data["chosen_ids"], data["rejected_ids"])], 0
         return [max(len(c), len(r)) for c, r in zip(data["chosen_ids"], data["rejected_ids"])], 2  # padded together
     if "input_ids" in columns:  # SFT (TRL's dataset is cut to max_length already)
@@ -113,7 +119,7 @@ def _example_lengths(trainer) -> tuple[list[int], int]:
     raise ValueError(f"max_tokens_per_batch: no token ids in the training data (columns {sorted(columns)})")
 
 
-def batch_by_tokens(trainer, budget: int) -> None:
+def batch_by_tokens(trainer, budget: int, layout: str = PADDED) -> None:
     """The trainer's training DataLoader draws TokenBudgetBatchSampler's micro-batches; the rest is the
     Trainer's: its column filter, collator, worker seeding and accelerate's prepare (device placement,
     sharding over processes). Replaces `get_train_dataloader` on the trainer; the column filter is
@@ -121,7 +127,7 @@ def batch_by_tokens(trainer, budget: int) -> None:
     from transformers.trainer_utils import seed_worker  # its parameters: common/trl_compat.py
 
     def get_train_dataloader():
-        lengths, rows = example_sizes(trainer)
+        lengths, rows = example_sizes(trainer, layout)
         sampler = TokenBudgetBatchSampler(lengths, rows, budget, trainer.args.seed)
         padded = sum(len(b) * rows * max(lengths[i] for i in b) if rows else sum(lengths[i] for i in b)
                      for b in sampler.batches)
