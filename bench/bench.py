@@ -73,12 +73,24 @@ REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_gen: a paper's first window, 
 REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,192 and 20,480 tokens
 # The pipeline's rows: each recipe as it is, then one lever changed (which attention, the layer inputs
 # in CPU memory, the reference log-probs precomputed once before training).
+# The SFT rows at 20,480 tokens: the recipe (every saved layer input in CPU memory, MLPs in pieces), then
+# without the MLP pieces, with part of the saved activations kept on the GPU, and with no lever at all.
+REVIEW_SFT_SETTINGS = [("llama3-8b", "ours", {}),
+                       ("llama31-8b", "ours", {}),
+                       ("llama31-8b", "ours_no_chunks", {"mlp_chunk_tokens": 0}),
+                       ("llama31-8b", "ours_no_chunks_keep_1.5gib", {"mlp_chunk_tokens": 0, "offload_keep_gib": 1.5}),
+                       ("llama31-8b", "ours_no_chunks_keep_3gib", {"mlp_chunk_tokens": 0, "offload_keep_gib": 3.0}),
+                       ("llama31-8b", "ours_keep_3gib", {"offload_keep_gib": 3.0}),
+                       ("llama31-8b", "ours_no_levers", {"offload_activations": False, "mlp_chunk_tokens": 0})]
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama3-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
                        ("llama3-8b", "ours_offload", {"offload_activations": True}),
                        ("llama3-8b", "ours_precomputed_ref", {"precompute_ref_log_probs": True}),
                        ("llama31-8b", "ours", {}),
-                       ("llama31-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"})]
+                       ("llama31-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
+                       ("llama31-8b", "ours_no_chunks", {"mlp_chunk_tokens": 0}),
+                       ("llama31-8b", "ours_no_chunks_keep_3gib", {"mlp_chunk_tokens": 0, "offload_keep_gib": 3.0}),
+                       ("llama31-8b", "ours_no_levers", {"offload_activations": False, "mlp_chunk_tokens": 0})]
 REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
@@ -184,6 +196,20 @@ def mem_reset():
 
 def peak_gib():
     return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
+
+
+def step_parts(step_seconds: list[float], timing: dict) -> dict:
+    """Where a GRPO step's time goes, averaged over the steps after the first (its warm-up): the rollout
+    (prefill + decode), the judge's scoring, and the rest (the update and TRL's bookkeeping)."""
+    n = len(step_seconds)
+    later = slice(1, None) if n > 1 else slice(None)
+    per_step = max(len(timing["reward_s"]) // max(n, 1), 1)  # score calls a step
+    rollout = timing["rollout_s"][later]
+    scoring = [sum(timing["reward_s"][i * per_step:(i + 1) * per_step]) for i in range(n)][later]
+    steps = step_seconds[later]
+    mean = lambda xs: round(sum(xs) / len(xs), 3) if xs else None  # noqa: E731
+    return {"rollout_s": mean(rollout), "scoring_s": mean(scoring),
+            "update_and_rest_s": mean([s - r - c for s, r, c in zip(steps, rollout, scoring)])}
 
 
 class StepClock(TrainerCallback):
@@ -482,19 +508,14 @@ class Bench:
         lengths = random.Random(2).sample(self.prompt_lengths, n)
         prompts = [self.words.prompt(p) for p in lengths]
         fresh_adapter(self.policy)
-        fast = gen.supports_fast_decode
-        gen.supports_fast_decode = fast if ours else (lambda model: False)
-        try:
-            gen.generate_replies(self.policy, self.tokenizer, prompts[:2], 4, cfg.batch_size)  # warm-up
-            mem_reset()
-            sync()
-            t = time.perf_counter()
-            gen.generate_replies(self.policy, self.tokenizer, prompts, new, cfg.batch_size if ours else 16,
-                                 cfg.repetition_penalty)
-            sync()
-            seconds = time.perf_counter() - t
-        finally:
-            gen.supports_fast_decode = fast
+        gen.generate_replies(self.policy, self.tokenizer, prompts[:2], 4, cfg.batch_size, static=ours)  # warm-up
+        mem_reset()
+        sync()
+        t = time.perf_counter()
+        gen.generate_replies(self.policy, self.tokenizer, prompts, new, cfg.batch_size if ours else 16,
+                             cfg.repetition_penalty, static=ours)
+        sync()
+        seconds = time.perf_counter() - t
         self.policy.train()
         self.record({"stage": "eval", "name": "eval_" + ("ours" if ours else "trl"), "setting": "ours" if ours
                      else "trl", "backend": "static+cuda-graph" if ours else "hf-generate",
@@ -503,18 +524,22 @@ class Bench:
                      "peak_gib": peak_gib()})
 
     # review shapes (the paper-review task) ---------------------------------------------------------
-    def review_sft(self, recipe, ours):
+    def review_sft(self, recipe, setting, **over):
         """One SFT sequence of the recipe's max_length (a paper window or the whole paper + a review):
-        02's build_trainer with the review task and the recipe's levers, or TRL's SFTTrainer defaults."""
+        02's build_trainer with the review task and the recipe's levers (`over` on top), or (`setting`
+        trl) TRL's SFTTrainer defaults."""
         import trl
 
         from common.tasks import review
         base = self.config(SFTStageConfig, "review/02_train_sft.yaml", recipe)
         n_full = base.max_length
-        over = {"max_steps": self.review_steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}
+        ours = setting != "trl"
+        over = {"max_steps": self.review_steps, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+                **over}
         if self.tiny:  # lengths / 8 (CPU)
             over.update(max_length=n_full // 8, max_prompt_tokens=base.max_prompt_tokens // 8,
-                        window_overlap=base.window_overlap // 8, mlp_chunk_tokens=base.mlp_chunk_tokens // 8)
+                        window_overlap=base.window_overlap // 8,
+                        mlp_chunk_tokens=over.get("mlp_chunk_tokens", base.mlp_chunk_tokens) // 8)
         cfg = self.config(SFTStageConfig, "review/02_train_sft.yaml", recipe, **over)
         reply = int(REVIEW_REPLY * self.f)
         # A paper longer than the window: each example is one full window (sliding_window) or the paper
@@ -539,11 +564,12 @@ class Bench:
                 _remove_offload_hooks(self.policy)
                 _remove_mlp_chunking(self.policy)
         target = REVIEW_SFT_TARGETS[recipe]
-        self.record({"stage": "review_sft", "name": f"review_sft_{n_full}_{'ours' if ours else 'trl'}",
-                     "setting": "ours" if ours else "trl", "batches": str(n_full), "recipe": recipe,
+        self.record({"stage": "review_sft", "name": f"review_sft_{n_full}_{setting}",
+                     "setting": setting, "batches": str(n_full), "recipe": recipe,
                      "max_length": cfg.max_length, "input_strategy": cfg.input_strategy,
                      "sequence_tokens": r["real_tokens"] // max(r["steps_timed"], 1), "grad_accum": 1,
                      "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
+                     "offload_keep_gib": cfg.offload_keep_gib if ours and cfg.offload_activations else None,
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
                      "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
                      "target_met": None if r["peak_gib"] is None else r["peak_gib"] < target})
@@ -631,15 +657,16 @@ class Bench:
         and 04_train_dpo's rejected replies run it): an 8,192-token prompt and 1,024 new tokens at
         batch 1, 2, 4, ..., up to the first out-of-memory; new tokens/s (prefill included) and peak.
         `reserve_s`: seconds kept for the rows that follow."""
-        import common.generation as gen
+        import common.fast.static_decoder as gen
         from common.data import token_ids
+        from common.model import eos_ids
         P, new = (int(REVIEW_PROMPT * self.f), 16) if self.tiny else (REVIEW_PROMPT, REVIEW_REPLY)
         batches = [int(b) for b in (self.args.review_gen_batches if not self.tiny else "1,2,4").split(",")]
         ids = token_ids(self.tokenizer.apply_chat_template(self.words.prompt(P), add_generation_prompt=True,
                                                            tokenize=True))
         fresh_adapter(self.policy)
         self.policy.eval()
-        eos, pad = gen.eos_ids(self.policy, self.tokenizer), self.tokenizer.pad_token_id
+        eos, pad = eos_ids(self.policy, self.tokenizer), self.tokenizer.pad_token_id
         capture, marks = gen._capture, {}
 
         def timed_capture(step, state):  # decode calls it once the prefill is done (CUDA graphs only)
@@ -776,8 +803,8 @@ class Bench:
             unwrap_peft(self.judge_model).set_attn_implementation("sdpa")
 
     # GRPO ------------------------------------------------------------------------------------------
-    def grpo(self, ours, steps, name=None, **over):
-        from common.fast import decode_step
+    def grpo(self, ours, steps, name=None, judge_in_one_row=True, **over):
+        from common.fast import decode_step, model_changes
         from common.model import unwrap_peft
         from common.rewards import RewardScorer
         from common.watch import WatchedReward
@@ -801,10 +828,17 @@ class Bench:
         # as stage 04 gives it (the watch's statistics included); no guard: a random model's lengths are flat
         judge = WatchedReward(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
                                            cfg.reward_batch_size))
-        trainer = self.grpo_mod.build_trainer(cfg, self.run_dir("grpo"), self.policy, judge, prompts, self.tokenizer)
+        one_row = model_changes.judges_in_one_row
+        if not judge_in_one_row:
+            model_changes.judges_in_one_row = lambda trainer: False
+        try:
+            built = self.run_dir("grpo")
+            trainer = self.grpo_mod.build_trainer(cfg, built, self.policy, judge, prompts, self.tokenizer)
+        finally:
+            model_changes.judges_in_one_row = one_row
         timing = {"rollout_s": [], "new_tokens": [], "reward_s": [], "prefill_s": [], "peak_after_rollout": []}
         generate = trainer._generate  # private, wrapped below: common/trl_compat.py
-        import common.generation as gen
+        import common.fast.static_decoder as gen
         capture, t_start = gen._capture, []
 
         def timed_capture(step, state):  # decode calls it once its prefill is done (CUDA graphs only)
@@ -841,7 +875,7 @@ class Bench:
         t0 = time.perf_counter()
         from common.training import train
         with lever(self.policy, ours, lora_dropout=cfg.lora_dropout if ours else None):
-            train(trainer, bench_run(self.work / "grpo"))
+            trained = train(trainer, bench_run(self.work / "grpo"))
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
@@ -874,6 +908,9 @@ class Bench:
                      "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),
                      # the row's peak so far, after each rollout and at each step's end: where it is reached
                      "peak_after_rollout_gib": timing["peak_after_rollout"], "peak_at_step_end_gib": clock.peaks,
+                     # and what the allocator holds at each step's end (the stage's own record)
+                     "reserved_at_step_end_gib": [m["reserved_gib"] for m in trained["gpu_memory_per_step"]],
+                     "seconds_per_step_parts": step_parts(secs, timing), "patches": built.manifest.get("patches"),
                      "peak_gib": peak_gib()})
         judge.score = score
         gen._capture = capture
@@ -901,7 +938,7 @@ class Bench:
         # generation (no Liger, as stage 05 runs it), then the pipeline's training rows.
         if "review_sft" in sections:
             for recipe in REVIEW_SFT_TARGETS:
-                g(f"review sft {recipe} trl", lambda r=recipe: self.review_sft(r, False), 30)
+                g(f"review sft {recipe} trl", lambda r=recipe: self.review_sft(r, "trl"), 30)
         if "review_dpo" in sections:
             for recipe in REVIEW_DPO_TARGETS:
                 g(f"review dpo {recipe} trl", lambda r=recipe: self.review_dpo(r, "trl"), 30)
@@ -910,8 +947,8 @@ class Bench:
                 (60.0 if "review_dpo" in sections else 0.0)
             g("review gen", lambda: self.review_gen(reserve), 40)
         if "review_sft" in sections:
-            for recipe in REVIEW_SFT_TARGETS:
-                g(f"review sft {recipe} ours", lambda r=recipe: self.review_sft(r, True), 30)
+            for recipe, setting, over in REVIEW_SFT_SETTINGS:
+                g(f"review sft {recipe} {setting}", lambda r=recipe, s=setting, o=over: self.review_sft(r, s, **o), 30)
         if "review_dpo" in sections:
             for recipe, setting, over in REVIEW_DPO_SETTINGS:
                 if self.tiny and setting == "ours_sdpa":
@@ -977,7 +1014,10 @@ class Bench:
                                                               True, lora_dropout=0.05), 40)
         self.other_resident = 0.0
         if "grpo" in sections:
-            g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else 3), 60)
+            g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else self.args.grpo_steps), 60)
+            # before the judge scored a step's replies in one row: one padded row a premise, dense SDPA masks
+            g("grpo ours judge sdpa", lambda: self.grpo(True, 2 if self.tiny else 3, "grpo_ours_judge_sdpa",
+                                                        judge_in_one_row=False), 60)
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, rollout_batch_size=32), 60)
@@ -1055,7 +1095,8 @@ def meta(args) -> dict:
     import trl
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv), "host": platform.node(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny, **bench_commit()}
+            "trl": trl.__version__, "peft": peft.__version__, "tiny": args.tiny, **bench_commit(),
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     from importlib.metadata import PackageNotFoundError, version
     for name in ("bitsandbytes", "datasets", "accelerate", "liger-kernel"):
         try:
@@ -1112,6 +1153,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="optimiser steps per training measurement")
     ap.add_argument("--batches", default="uniform,real", help="which SFT/reward batch kinds to measure")
     ap.add_argument("--long_tokens", type=int, default=32768)
+    ap.add_argument("--grpo_steps", type=int, default=3, help="optimiser steps of the 'grpo ours' row (20: does "
+                    "its memory stay flat?)")
     ap.add_argument("--review_steps", type=int, default=4, help="review_sft / review_dpo: optimiser steps "
                     "of one sequence (one pair) each; the first is not timed")
     ap.add_argument("--review_gen_batches", default="1,2,4,8,16", help="review_gen: batch sizes, in order, "
@@ -1129,6 +1172,8 @@ def main(argv=None):
         return
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("no GPU: use --tiny for the CPU smoke run")
+    from common.cli import CUDA_ALLOC_CONF
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # as the stages run (common/cli.py)
     if args.tiny:
         from common.local_models import ensure
         ensure("tiny", TINY_MODEL)  # built from the bundled data if missing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -197,6 +198,7 @@ def help_text(cls, doc: str) -> str:
     return "\n".join(lines)
 
 
+CUDA_ALLOC_CONF = "expandable_segments:True"
 # The oldest release of each library whose private hooks the stages use (trainer patches, token-budget
 # batches: `Trainer.training_step` reads `loss_is_scaled_for_ga` from transformers 5.19 on).
 MIN_VERSIONS = {"transformers": "5.19.0", "trl": "1.16.0"}
@@ -231,6 +233,10 @@ def cli(main, config_cls, doc: str = "") -> None:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(help_text(config_cls, doc))
         return
+    # Before CUDA's allocator starts: one growable segment instead of fixed ones, so that batches of
+    # varying shapes (GRPO's premises, real-length micro-batches) reuse freed memory rather than
+    # reserving more each step (docs/performance.md). A value the user set is kept; the manifest records it.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     try:
         check_versions()
         check_private_names()

@@ -131,6 +131,9 @@ class TrainArgs:
         0, "> 0: each training batch is padded to a multiple of this many tokens, so real-length batches come in "
         "a few shapes that the GPU's allocator and kernels see again (bench/RESULTS.md); 0: to the longest", ge=0)
     offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
+    offload_keep_gib: float = arg(
+        0.0, "offload_activations: GiB of saved activations a forward keeps on the GPU before the rest go to CPU "
+        "memory, so a GPU with room copies only what does not fit (the log says how much goes); 0: all go", ge=0)
     liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)")
     mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)
     logging_steps: int = arg(10, "optimiser steps between log lines", ge=1)

@@ -119,6 +119,7 @@ class Run:
                 "stage": stage, "run_name": self.dir.name, "argv": argv, "overrides": overrides,
                 "created": provenance.now(), "git": provenance.git_state(), "seed": config.seed,
                 "packages": provenance.versions(), "host": socket.gethostname(), "gpu": provenance.gpu(),
+                "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "processes": processes(), "wandb_run_id": None,
                 "wandb_group": config.wandb_group, "inputs": {}, "base": base,
             }

@@ -56,6 +56,26 @@ class StopOnRequest(TrainerCallback):
         return control
 
 
+class MemoryPerStep(TrainerCallback):
+    """On a GPU, at each optimiser step's end: the process's peak of allocated memory so far and what the
+    allocator holds (GiB). A run whose memory is flat shows the same numbers step after step; one that
+    grows with its batches shows at which step. In metrics.json as `gpu_memory_per_step`, and in the log
+    every `logging_steps`. The peak is never reset here: a caller's own peak measurement stays whole."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            gib = 2 ** 30
+            self.steps.append({"step": state.global_step,
+                               "peak_so_far_gib": round(torch.cuda.max_memory_allocated() / gib, 3),
+                               "reserved_gib": round(torch.cuda.memory_reserved() / gib, 3)})
+            if args.logging_steps and state.global_step % args.logging_steps == 0:
+                log.info("step %d: GPU memory peak so far %.2f GiB, reserved %.2f GiB", state.global_step,
+                         self.steps[-1]["peak_so_far_gib"], self.steps[-1]["reserved_gib"])
+
+
 def trainer_args(cls, config: TrainArgs, run, **extra):
     """A TRL config (SFTConfig, RewardConfig, GRPOConfig) for this run: checkpoints inside the run
     directory, our optimisation fields, bf16 only on GPUs, W&B only when asked for. `extra` adds or
@@ -128,8 +148,9 @@ def train(trainer, run) -> dict:
     checkpoint = last_checkpoint(run.dir / "checkpoints")
     if checkpoint:
         log.info("resuming from %s", checkpoint)
-    stopper = StopOnRequest()
+    stopper, memory = StopOnRequest(), MemoryPerStep()
     trainer.add_callback(stopper)
+    trainer.add_callback(memory)
     previous = {sig: signal.signal(sig, stopper.request) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     started = time.time()
     try:
@@ -149,7 +170,8 @@ def train(trainer, run) -> dict:
         raise Interrupted(STOP_EXIT_CODE)
     history = trainer.state.log_history  # restored from the checkpoint: it covers the earlier segments
     metrics = {"train": {**dict(result.metrics), **whole_run_metrics(history, run.manifest["segments"])},
-               "global_step": trainer.state.global_step, "resumed_from": checkpoint, "log_history": history}
+               "global_step": trainer.state.global_step, "resumed_from": checkpoint, "log_history": history,
+               "gpu_memory_per_step": memory.steps}
     # A run whose weights are NaN or inf would finish DONE and be used by later stages as a model.
     if not all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.requires_grad):
         run.fail(metrics, f"training diverged: the trained weights hold NaN or inf after step "

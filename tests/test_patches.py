@@ -96,3 +96,26 @@ def test_gpu_batch_folded_liger_rope_equals_hf_rope():
     mine = batch_folded_rope(liger_rotary_pos_emb)(q.transpose(1, 2).clone(), k.transpose(1, 2).clone(), cos, sin)
     for a, b in zip(mine, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_partial_offload_keeps_its_budget_and_gives_the_same_gradients():
+    """offload_keep_gib: saved tensors stay until the budget is kept, the rest go to CPU memory and come
+    back for backward; the gradients are those of a plain backward, bit for bit."""
+    from common.fast.model_changes import OffloadBeyond
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+
+    def loss():
+        h = x
+        for _ in range(6):
+            h = torch.tanh(h @ w)
+        return h.sum()
+    plain = torch.autograd.grad(loss(), w)[0]
+    one = 32 * 64 * 4  # bytes of one saved activation
+    for keep in (0, 3 * one, 100 * one):
+        hooks = OffloadBeyond(keep, min_bytes=0)
+        with hooks:
+            value = loss()
+        assert torch.equal(torch.autograd.grad(value, w)[0], plain), keep
+        assert hooks.kept <= max(keep, 0) and (hooks.offloaded > 0) == (keep < 100 * one), (keep, hooks.kept)

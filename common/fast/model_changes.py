@@ -15,6 +15,7 @@ the config's back.
 | prompt_once_per_pair | reward: padding_free and prompt_once_per_pair | a pair's two replies share their prompt in that row |
 | pair_in_one_sequence | DPO's pair_in_one_sequence | a pair as one sequence (shared_prompt.py; its collator made by `one_sequence_collator`) |
 | group_in_one_sequence | GRPO's group_in_one_sequence | a premise and its replies as one sequence in the update (`shared_prompt.share_grpo_prompts`) |
+| judge_in_one_row | GRPO on a GPU, one_sequence_attention flex_attention | the judge scores a step's replies as one row, FlexAttention's block mask, each premise once |
 | no_cudnn_attention | always, on a GPU | SDPA's flash kernel rather than cuDNN's, which plans anew for every sequence length |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (token_budget.py) |
@@ -55,6 +56,9 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if getattr(config, "group_in_one_sequence", False):
         shared_prompt.share_grpo_prompts(trainer, config.one_sequence_attention)
         applied.append("group_in_one_sequence")
+    if config.fast_paths and getattr(config, "one_sequence_attention", None) == "flex_attention" \
+            and torch.cuda.is_available() and judges_in_one_row(trainer):
+        applied.append("judge_in_one_row")
     if config.group_by_length and add_length_column(trainer):
         applied.append("add_length_column")
     if config.max_tokens_per_batch:
@@ -64,7 +68,7 @@ def apply(trainer, config: TrainArgs) -> list[str]:
             token_budget.weigh_pairs_per_step(trainer)
             applied.append("weigh_pairs_per_step")
     if config.offload_activations:
-        offload_saved_activations(trainer.model)
+        offload_saved_activations(trainer.model, int(config.offload_keep_gib * 2 ** 30))
         applied.append("offload_saved_activations")
     if config.liger_kernel and torch.cuda.is_available() and apply_liger_kernels(trainer):  # Triton: GPUs only
         applied.append("apply_liger_kernels")
@@ -95,6 +99,22 @@ def backends(config, applied: list[str], **parts: str) -> dict:
     applied (`patches`), and the stage's own parts (decoder, judge scoring)."""
     return {"fast_paths": config.fast_paths, "attention": getattr(config, "attn_implementation", None),
             "patches": applied, **parts}
+
+
+def judges_in_one_row(trainer) -> bool:
+    """GRPO's packed 4-bit judges run FlexAttention: the scorer then lays all the replies of a step end to
+    end in one row (`RewardScorer._packed`) instead of one padded row per premise under a dense SDPA mask,
+    whose masked kernel is slow (docs/performance.md). Same scores (tests/test_judge.py)."""
+    from common.trl_compat import attn_implementation
+    changed = False
+    for judge in getattr(trainer, "reward_funcs", []):
+        scorer = getattr(judge, "scorer", None)  # WatchedReward wraps a RewardScorer
+        if scorer is not None and scorer.packed:
+            classifier = unwrap_peft(scorer.model)
+            if attn_implementation(classifier) != "flex_attention":
+                classifier.set_attn_implementation("flex_attention")
+            changed = True
+    return changed
 
 
 def add_length_column(trainer) -> bool:
@@ -202,20 +222,50 @@ def no_cudnn_attention() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def offload_saved_activations(model) -> None:
-    """Inside each training forward, keep what autograd saves for backward (with reentrant
-    checkpointing: each layer's input) in pinned CPU memory; 32k-token inputs then fit a small GPU."""
-    active = []
+def offload_saved_activations(model, keep_bytes: int = 0) -> None:
+    """Inside each training forward, what autograd saves for backward (with reentrant checkpointing: each
+    layer's input) goes to pinned CPU memory, once `keep_bytes` of it are kept on the GPU: 32k-token inputs
+    then fit a small GPU, and a GPU with room copies only what it lacks room for."""
+    active, said = [], []
 
     def enter(module, args):
         if module.training and torch.is_grad_enabled():
-            ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if not keep_bytes \
+                else OffloadBeyond(keep_bytes)
             ctx.__enter__()
             active.append(ctx)
 
     def leave(module, args, output):
         if active:
-            active.pop().__exit__(None, None, None)
+            ctx = active.pop()
+            ctx.__exit__(None, None, None)
+            if isinstance(ctx, OffloadBeyond) and not said:
+                log.info("offload_activations: the first forward kept %.2f GiB of saved activations on the GPU and "
+                         "copied %.2f GiB to CPU memory", ctx.kept / 2 ** 30, ctx.offloaded / 2 ** 30)
+                said.append(True)
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave)
+
+
+class OffloadBeyond(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors stay where they are until `keep_bytes` are kept; later ones of a megabyte or more are
+    copied to (pinned) CPU memory and back when backward needs them, as `save_on_cpu` does with every one."""
+
+    def __init__(self, keep_bytes: int, min_bytes: int = 2 ** 20):
+        self.kept = self.offloaded = 0
+
+        def pack(tensor):
+            size = tensor.numel() * tensor.element_size()
+            if size < min_bytes or self.kept + size <= keep_bytes:
+                self.kept += size
+                return tensor
+            copy = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=tensor.is_cuda)
+            copy.copy_(tensor)
+            self.offloaded += size
+            return tensor.device, copy
+
+        def unpack(packed):
+            return packed[1].to(packed[0], non_blocking=True) if isinstance(packed, tuple) else packed
+
+        super().__init__(pack, unpack)
