@@ -150,7 +150,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
         for i, p in enumerate(premises)])
     grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
             if read_json(path.parent / "manifest.json").get("stage") == "GRPO"}
-    plots = {**plot_distributions(run.dir, replies, rewards), **plot_watch(run.dir, grpo), **task_report["plots"](run.dir)}
+    plots = {**plot_distributions(run.dir, replies, rewards, task.NOUNS["premises"]), **plot_watch(run.dir, grpo),
+             **task_report["plots"](run.dir)}
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
                                           if config.judge_runs else [])

@@ -73,15 +73,15 @@ REVIEW_PROMPT, REVIEW_REPLY = 8192, 1024  # review_gen: a paper's first window, 
 REVIEW_SFT_TARGETS = {"llama3-8b": 16.0, "llama31-8b": 24.0}  # GiB targets: 8,192 and 20,480 tokens
 # The pipeline's rows: each recipe as it is, then one lever changed (which attention, the layer inputs
 # in CPU memory, the reference log-probs precomputed once before training).
-# The SFT rows at 20,480 tokens: the recipe (every saved layer input in CPU memory, MLPs in pieces), then
-# without the MLP pieces, with part of the saved activations kept on the GPU, and with no lever at all.
+# The SFT rows at 20,480 tokens: the recipe (cuDNN attention, every saved layer input in CPU memory),
+# then one lever changed: part of the saved inputs kept on the GPU, none offloaded, MLPs in pieces (a
+# small GPU), SDPA's flash kernel instead of cuDNN's.
 REVIEW_SFT_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours", {}),
-                       ("llama31-8b", "ours_no_chunks", {"mlp_chunk_tokens": 0}),
-                       ("llama31-8b", "ours_no_chunks_keep_1.5gib", {"mlp_chunk_tokens": 0, "offload_keep_gib": 1.5}),
-                       ("llama31-8b", "ours_no_chunks_keep_3gib", {"mlp_chunk_tokens": 0, "offload_keep_gib": 3.0}),
                        ("llama31-8b", "ours_keep_3gib", {"offload_keep_gib": 3.0}),
-                       ("llama31-8b", "ours_no_levers", {"offload_activations": False, "mlp_chunk_tokens": 0})]
+                       ("llama31-8b", "ours_no_offload", {"offload_activations": False}),
+                       ("llama31-8b", "ours_chunks", {"mlp_chunk_tokens": 4096}),
+                       ("llama31-8b", "ours_flash", {"cudnn_attention": False})]
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama3-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
                        ("llama3-8b", "ours_offload", {"offload_activations": True}),
@@ -273,11 +273,11 @@ def count_tokens(trainer, sink):
 
 
 @contextlib.contextmanager
-def lever(model, ours: bool, cudnn_attention: bool = False, lora_dropout: float | None = None):
-    """One row's setting. TRL rows run PyTorch's defaults (cuDNN attention on; `fast.apply` turns
-    it off for the pipeline's rows, cudnn_attention=True turns it back on as a control row).
+def lever(model, ours: bool, lora_dropout: float | None = None):
+    """One row's setting. TRL rows run PyTorch's defaults (cuDNN attention on; `fast.apply` sets it for
+    the pipeline's rows from their `cudnn_attention`, process-wide, so it is set back here).
     lora_dropout: the LoRA layers' dropout for this row only (the model is loaded once)."""
-    if not ours or cudnn_attention:
+    if not ours:
         torch.backends.cuda.enable_cudnn_sdp(True)
     saved = {}
     if lora_dropout is not None:
@@ -427,7 +427,7 @@ class Bench:
     def sft_rows(self, lengths):
         return [{"prompt": self.words.prompt(p), "chosen": Words.text(r - 1)} for p, r in lengths]
 
-    def sft(self, name, kind, lengths, ours, cudnn_attention=False, lora_dropout=None, **over):
+    def sft(self, name, kind, lengths, ours, lora_dropout=None, **over):
         import trl
         per_device = 4 if self.tiny else 8
         cfg = self.config(SFTStageConfig, "02_train_sft.yaml", max_steps=self.steps,
@@ -455,10 +455,10 @@ class Bench:
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
-        with lever(self.policy, ours, cudnn_attention, dropout):
+        with lever(self.policy, ours, dropout):
             r = train_run(trainer, ga, ours)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
-                     "cudnn_attention": cudnn_attention or not ours,
+                     "cudnn_attention": cfg.cudnn_attention or not ours,
                      "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "per_device": None if budget else cfg.per_device_train_batch_size, "max_tokens_per_batch": budget,
                      "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
@@ -486,7 +486,8 @@ class Bench:
                                  disable_tqdm=True, **({"bf16": False, "use_cpu": True} if self.tiny else {}))
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
-        r = train_run(trainer, 1, ours)
+        with lever(self.policy, ours):  # TRL's rows: PyTorch's attention defaults
+            r = train_run(trainer, 1, ours)
         self.record({"stage": "long", "name": f"long_{n}_{'ours' if ours else 'trl'}" + ("_chunked" if
                      cfg.mlp_chunk_tokens else ""), "setting": "ours" if ours else "trl", "tokens": n,
                      "offload_activations": ours, "liger": cfg.liger_kernel and ours,
@@ -558,7 +559,8 @@ class Bench:
                                      **({"bf16": False, "use_cpu": True} if self.tiny else {}))
                 trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                          train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, review))
-            r = train_run(trainer, 1, ours)
+            with lever(self.policy, ours):  # TRL's rows: PyTorch's attention defaults
+                r = train_run(trainer, 1, ours)
         finally:
             if ours:
                 _remove_offload_hooks(self.policy)
@@ -570,6 +572,7 @@ class Bench:
                      "sequence_tokens": r["real_tokens"] // max(r["steps_timed"], 1), "grad_accum": 1,
                      "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
                      "offload_keep_gib": cfg.offload_keep_gib if ours and cfg.offload_activations else None,
+                     "cudnn_attention": cfg.cudnn_attention or not ours,
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
                      "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
                      "target_met": None if r["peak_gib"] is None else r["peak_gib"] < target})
@@ -624,7 +627,8 @@ class Bench:
                 trainer = trl.DPOTrainer(model=self.policy, args=args, train_dataset=data,
                                          processing_class=self.tokenizer)
             ref_adapter = "ref" in self.policy.peft_config
-            r = train_run(trainer, 1, ours, warmup_steps=3)
+            with lever(self.policy, ours):  # TRL's rows: PyTorch's attention defaults
+                r = train_run(trainer, 1, ours, warmup_steps=3)
             del trainer
         finally:  # the next trainer gets the model as it was: no `ref` adapter, LoRA in its own dtype
             if "ref" in self.policy.peft_config:
@@ -737,7 +741,7 @@ class Bench:
             print("review gen best", json.dumps(self.results["review_gen_best"]), flush=True)
 
     # reward ----------------------------------------------------------------------------------------
-    def reward(self, name, kind, lengths, ours, cudnn_attention=False, lora_dropout=None, **over):
+    def reward(self, name, kind, lengths, ours, lora_dropout=None, **over):
         import trl
         per_device = 4 if self.tiny else 8
         cfg = self.config(RewardStageConfig, "03_train_reward.yaml", max_steps=self.steps,
@@ -780,11 +784,11 @@ class Bench:
             from common import fast
             fast.apply(trainer, cfg)
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
-        with lever(self.judge_model, ours, cudnn_attention, dropout):
+        with lever(self.judge_model, ours, dropout):
             # FlexAttention (padding_free on a GPU) compiles for the first shapes: those steps are not timed
             r = train_run(trainer, ga, ours, warmup_steps=3 if cfg.padding_free and not self.tiny else 1)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
-                     "cudnn_attention": cudnn_attention or not ours,
+                     "cudnn_attention": cfg.cudnn_attention or not ours,
                      "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
                      "max_tokens_per_batch": budget, "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,

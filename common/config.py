@@ -135,6 +135,10 @@ class TrainArgs:
         0.0, "offload_activations: GiB of saved activations a forward keeps on the GPU before the rest go to CPU "
         "memory, so a GPU with room copies only what does not fit (the log says how much goes); 0: all go", ge=0)
     liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)")
+    cudnn_attention: bool = arg(
+        False, "keep SDPA's cuDNN attention on a GPU: faster at long sequences (20k tokens: docs/performance.md), "
+        "but it plans anew for every new sequence length, which real-length batches of short texts pay for on "
+        "every step; false: SDPA's flash kernel")
     mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)
     logging_steps: int = arg(10, "optimiser steps between log lines", ge=1)
     save_steps: int = arg(200, "optimiser steps between checkpoints (resume points)", ge=1)

@@ -7,9 +7,10 @@ from pathlib import Path
 from common.data import n_words
 
 
-def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: dict[str, list[float]]) -> dict:
+def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: dict[str, list[float]],
+                       counted: str = "premises") -> dict:
     """Two PNGs (matplotlib, no display): the reply-length (words) and reward distributions of the
-    base and each adapter, overlaid. Returns {caption: path}."""
+    base and each adapter, overlaid, each bar a number of `counted` (the task's noun). Returns {caption: path}."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -28,7 +29,7 @@ def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: di
                     label=f"{name} (mean {sum(vals) / max(1, len(vals)):.2f})")
         ax.set_title(f"{title}: base vs adapters")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("premises")
+        ax.set_ylabel(counted)
         ax.legend()
         fig.tight_layout()
         path = Path(out_dir) / f"{key}_hist.png"

@@ -43,8 +43,9 @@ def _left_padded(prompts, pad):
     return ids, mask
 
 
-@pytest.mark.parametrize("penalty,prefill_tokens", [(1.0, 40), (1.3, 40), (1.0, 4096)])
-def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tokens):
+@pytest.mark.parametrize("penalty,prefill_tokens,cache_length", [(1.0, 40, 0), (1.3, 40, 0), (1.0, 4096, 0),
+                                                                  (1.0, 40, 96)])
+def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tokens, cache_length):
     from common.fast.static_decoder import decode
     from common.model import eos_ids
     model, tok = lora_tiny
@@ -52,8 +53,9 @@ def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tok
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 3, 9, 30, 17)]
     eos = eos_ids(model, tok)
     # prefill_tokens=40: one prompt row at a time, as large batches are prefilled on the GPU
+    # cache_length=96: a KV cache longer than the batch needs (GRPO's, sized for its longest prompt)
     ours = decode(model, prompts, 20, eos, tok.pad_token_id, temperature=0.0, repetition_penalty=penalty,
-                  prefill_tokens=prefill_tokens)
+                  prefill_tokens=prefill_tokens, cache_length=cache_length)
     ids, mask = _left_padded(prompts, tok.pad_token_id)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
                          repetition_penalty=penalty, pad_token_id=tok.pad_token_id, eos_token_id=eos)
@@ -224,13 +226,13 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     dpo_rows = {"review_dpo_896_trl", "review_dpo_2432_trl", "review_dpo_896_ours", "review_dpo_896_ours_offload",
                 "review_dpo_896_ours_precomputed_ref", "review_dpo_2432_ours", "review_dpo_2432_ours_no_chunks",
                 "review_dpo_2432_ours_no_chunks_keep_3gib", "review_dpo_2432_ours_no_levers"}  # the flex rows: GPU only
-    sft_levers = {f"review_sft_20480_{s}" for s in ("ours_no_chunks", "ours_no_chunks_keep_1.5gib",
-                                                     "ours_no_chunks_keep_3gib", "ours_keep_3gib", "ours_no_levers")}
+    sft_levers = {f"review_sft_20480_{s}" for s in ("ours_keep_3gib", "ours_no_offload", "ours_chunks", "ours_flash")}
     assert set(rows) == {"review_sft_8192_trl", "review_sft_20480_trl", "review_gen_b1", "review_gen_b2",
                          "review_gen_b4", "review_sft_8192_ours", "review_sft_20480_ours"} | dpo_rows | sft_levers
-    levers = rows["review_sft_20480_ours_no_chunks_keep_3gib"]
+    levers = rows["review_sft_20480_ours_keep_3gib"]
     assert levers["offload_activations"] and levers["offload_keep_gib"] == 3.0 and not levers["mlp_chunk_tokens"]
-    assert not rows["review_sft_20480_ours_no_levers"]["offload_activations"]
+    assert not rows["review_sft_20480_ours_no_offload"]["offload_activations"]
+    assert rows["review_sft_20480_ours_chunks"]["mlp_chunk_tokens"] == 4096 // 8
     # SFT: one sequence of the recipe's max_length (/ 8) a step, the recipe's levers on ours only
     for n, recipe in ((8192, "llama3-8b"), (20480, "llama31-8b")):
         ours, trl = rows[f"review_sft_{n}_ours"], rows[f"review_sft_{n}_trl"]
@@ -238,7 +240,7 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
         assert n // 8 - 2 <= ours["sequence_tokens"] == trl["sequence_tokens"] <= n // 8
         assert ours["tokens_per_s"] > 0 and trl["tokens_per_s"] > 0 and ours["peak_gib"] is None
         assert not trl["offload_activations"] and not trl["liger"]
-    assert rows["review_sft_20480_ours"]["offload_activations"] and rows["review_sft_20480_ours"]["mlp_chunk_tokens"]
+    assert rows["review_sft_20480_ours"]["offload_activations"] and not rows["review_sft_20480_ours"]["mlp_chunk_tokens"]
     assert rows["review_sft_20480_ours"]["input_strategy"] == "whole"
     # DPO: prompts up to 896 or 2,432 + replies of 128 (7,168 or 19,456 + 1,024, / 8), 1/64 shorter each
     # step, nothing cut, TRL's `ref` adapter copy, tokens counted as TRL's two sequences on every row

@@ -30,7 +30,7 @@ from transformers.activations import ACT2FN  # internal, as are Llama's head_dim
 from common.fast import nf4_dequantize
 
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
-# whatever training turned off (cuDNN: `model_changes.no_cudnn_attention`): faster than two grouped matmuls or
+# whatever training turned off (cuDNN: `cudnn_attention`): faster than two grouped matmuls or
 # cuDNN alone (timed by bench/profile_decode.py; docs/performance.md).
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]

@@ -16,7 +16,7 @@ the config's back.
 | pair_in_one_sequence | DPO's pair_in_one_sequence | a pair as one sequence (shared_prompt.py; its collator made by `one_sequence_collator`) |
 | group_in_one_sequence | GRPO's group_in_one_sequence | a premise and its replies as one sequence in the update (`shared_prompt.share_grpo_prompts`) |
 | judge_in_one_row | GRPO on a GPU, one_sequence_attention flex_attention | the judge scores a step's replies as one row, FlexAttention's block mask, each premise once |
-| no_cudnn_attention | always, on a GPU | SDPA's flash kernel rather than cuDNN's, which plans anew for every sequence length |
+| no_cudnn_attention | on a GPU, unless cudnn_attention | SDPA's flash kernel rather than cuDNN's: on Hopper SDPA picks cuDNN first, which builds a plan for every new sequence length, a CPU cost real-length batches pay nearly every step (docs/performance.md); at long fixed lengths cuDNN's kernel is the faster one (`cudnn_attention: true`) |
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (token_budget.py) |
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
@@ -75,9 +75,9 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if config.mlp_chunk_tokens:  # after Liger, whose SwiGLU it then wraps
         chunk_mlps(trainer.model, config.mlp_chunk_tokens)
         applied.append("chunk_mlps")
-    if config.fast_paths and torch.cuda.is_available():
-        no_cudnn_attention()
-        applied.append("no_cudnn_attention")
+    if config.fast_paths and torch.cuda.is_available():  # process-wide, so set either way
+        torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
+        applied.append("cudnn_attention" if config.cudnn_attention else "no_cudnn_attention")
     log.info("model and data changes: %s", ", ".join(applied) or "none")
     return applied
 
@@ -214,12 +214,6 @@ def unmask_right_padding(model) -> bool:
     return True
 
 
-def no_cudnn_attention() -> None:
-    """On Hopper, PyTorch's SDPA picks cuDNN's attention first. cuDNN builds an execution plan for each new
-    sequence length, a CPU cost on every attention call (docs/performance.md), and
-    real-length batches bring a new length nearly every micro-batch: the GPU then waits on the CPU. The
-    flash kernel, next in SDPA's order, has no such per-shape cost. Process-wide, as the backend flags are."""
-    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def offload_saved_activations(model, keep_bytes: int = 0) -> None:
