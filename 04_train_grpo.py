@@ -24,7 +24,7 @@ from common import fast
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
-from common.fast.static_decoder import grpo_rollout, supports_fast_decode, weights_backend
+from common.fast.static_decoder import GRAPH_FAILURES, grpo_rollout, supports_fast_decode, weights_backend
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
 from common.runs import Run
@@ -98,6 +98,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
 
     # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.
     metrics = train(trainer, run)
+    run.manifest["backends"]["decoder_fallbacks"] = list(GRAPH_FAILURES)  # graphs not captured: eager steps
     save_adapter(policy, tokenizer, run)
     metrics["per_step"] = watch_per_step(metrics["log_history"])
     metrics["n_prompts"] = len(prompts)

@@ -87,11 +87,12 @@ def test_manifests_name_the_backends(runs):
     assert (grpo["decoder"], grpo["judge_scoring"], grpo["patches"]) == ("trl_generate", "padded", [])
     grpo = _backends(runs["grpo_true"])
     assert (grpo["decoder"], grpo["decoder_weights"], grpo["judge_scoring"]) == ("static", "nf4_bitsandbytes", "packed")
-    assert "group_in_one_sequence" in grpo["patches"]
+    assert "group_in_one_sequence" in grpo["patches"] and grpo["decoder_fallbacks"] == []  # no graph on the CPU
     evaluation = _backends(runs["eval_false"])
     assert evaluation["decoder"] == "hf_generate" and set(evaluation["judge_scoring"].values()) == {"padded"}
     evaluation = _backends(runs["eval_true"])
     assert evaluation["decoder"] == "static" and set(evaluation["judge_scoring"].values()) == {"packed"}
+    assert evaluation["decoder_fallbacks"] == []
     assert all((runs[f"{stage}_{fast}"] / "DONE").is_file() for stage in ("grpo", "eval") for fast in ("true", "false"))
 
 

@@ -3,10 +3,10 @@
 Each stage's `build_trainer` calls `apply(trainer, config)` once its TRL trainer exists; it returns
 the names of what it applied, which the run's manifest records (`patches`, and `backends`). DPO's pair
 as one sequence needs its collator when the trainer is built: `one_sequence_collator` makes it first.
-With `fast_paths: false` the config asks for none of them (common/config.py, PLAIN_PATHS), and the two
-that are not fields of a config (unmask_right_padding, no_cudnn_attention) are left off too: plain TRL
-and transformers. Nothing else in the pipeline changes a model's forward or a trainer's data behind
-the config's back.
+With `fast_paths: false` the config asks for none of them (common/config.py, PLAIN_PATHS), and
+unmask_right_padding and no_cudnn_attention are left off too (SDPA keeps PyTorch's own choice of
+kernel): plain TRL and transformers. Nothing else in the pipeline changes a model's forward or a
+trainer's data behind the config's back.
 
 | change | when | what it does |
 | --- | --- | --- |
@@ -105,13 +105,12 @@ def judges_in_one_row(trainer) -> bool:
     """GRPO's packed 4-bit judges run FlexAttention: the scorer then lays all the replies of a step end to
     end in one row (`RewardScorer._packed`) instead of one padded row per premise under a dense SDPA mask,
     whose masked kernel is slow (docs/performance.md). Same scores (tests/test_judge.py)."""
-    from common.trl_compat import attn_implementation
     changed = False
     for judge in getattr(trainer, "reward_funcs", []):
         scorer = getattr(judge, "scorer", None)  # WatchedReward wraps a RewardScorer
         if scorer is not None and scorer.packed:
             classifier = unwrap_peft(scorer.model)
-            if attn_implementation(classifier) != "flex_attention":
+            if trl_compat.attn_implementation(classifier) != "flex_attention":
                 classifier.set_attn_implementation("flex_attention")
             changed = True
     return changed

@@ -21,7 +21,7 @@ from common.model import eos_ids, unwrap_peft
 from common.ngram_block import repeat_bans
 
 log = logging.getLogger(__name__)
-GRAPH_FAILURES: list[str] = []  # why a capture fell back to eager steps (the bench reports it)
+GRAPH_FAILURES: list[str] = []  # why a capture fell back to eager steps (manifests' decoder_fallbacks)
 
 
 def supports_fast_decode(model) -> bool:
