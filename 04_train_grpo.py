@@ -48,7 +48,7 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
     if config.rollout_backend == "static" and supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental: common/trl_compat.py
         rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
-                               config.rollout_weights, config.max_prompt_tokens)
+                               config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
     run.manifest["patches"] = fast.apply(trainer, config)

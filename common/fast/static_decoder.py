@@ -69,21 +69,19 @@ def _prefill(lm, ids, positions, mask, store):
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int,
            temperature: float = 1.0, repetition_penalty: float = 1.0, cuda_graph: bool | None = None,
-           prefill_tokens: int = 8192, weights: str = "nf4", no_repeat_ngram_size: int = 0,
-           cache_length: int = 0) -> list[list[int]]:
+           prefill_tokens: int = 8192, weights: str = "nf4", no_repeat_ngram_size: int = 0) -> list[list[int]]:
     """New tokens for each prompt (sampled at `temperature`, greedy at 0), cut after the first end
     token. The model must be in eval mode (no LoRA dropout). The prompts run through the model's own
     modules; each later step is `DecodeStep`'s fused one (`weights`: its base weights, "nf4" or
     "bf16"). On CUDA that step is captured once as a graph and replayed; `cuda_graph=False` runs it
-    eagerly. `cache_length`: the KV cache holds at least this many positions, whatever the batch's
-    longest prompt, so that every call takes the same memory (GRPO: the longest prompt + reply)."""
+    eagerly."""
     lm = unwrap_peft(model)
     core = lm.model
     device = core.embed_tokens.weight.device
     cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     B, lens = len(prompt_ids), torch.tensor([len(p) for p in prompt_ids])
     P = int(lens.max())
-    L = max(P + max_new_tokens, cache_length)
+    L = P + max_new_tokens
     attn0 = core.layers[0].self_attn
     n_kv = lm.config.num_key_value_heads
     dtype = core.embed_tokens.weight.dtype
@@ -205,14 +203,11 @@ def _capture(step, state):
         return None
 
 
-def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, weights: str = "nf4",
-                 max_prompt_tokens: int = 0):
+def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, weights: str = "nf4"):
     """A TRL `rollout_func` for GRPOTrainer: sampled completions from `decode` for the trainer's policy
     (the 4-bit base with its live LoRA adapter, in eval mode while sampling), `batch_size` sequences at
     a time. Its prompts are tokenised exactly as TRL does. weights "bf16": each decode step reads bf16
-    copies of the base weights instead of dequantising the 4-bit ones (`DecodeStep`). The KV cache is
-    sized for `max_prompt_tokens` + `max_new_tokens` at every step: a run's memory is then the same
-    from its first step on, not higher each time a batch brings a longer premise."""
+    copies of the base weights instead of dequantising the 4-bit ones (`DecodeStep`)."""
     def rollout(prompts, trainer):
         tokenizer = trainer.processing_class
         if hasattr(trainer, "_tokenize_prompts"):  # private: common/trl_compat.py
@@ -227,8 +222,7 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, 
         completions = []
         for start in range(0, len(prompt_ids), batch_size):
             completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,
-                                  tokenizer.pad_token_id, temperature=temperature, weights=weights,
-                                  cache_length=max_prompt_tokens + max_new_tokens)
+                                  tokenizer.pad_token_id, temperature=temperature, weights=weights)
         model.train(was_training)
         return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completions, "logprobs": None}
     return rollout
