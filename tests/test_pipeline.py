@@ -196,7 +196,9 @@ def test_grpo_runs_data_parallel_in_two_processes(pipeline):
             pipeline["reward"], "--runs_dir", pipeline["runs"], "--run_name", "Two_Process_GRPO"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "04_train_grpo.py", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a rank that fails first is the cause; torchrun's own report names only the rank it then stopped
+    first_failure = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank1]"))[:3000]
+    assert proc.returncode == 0, first_failure + proc.stdout[-2000:] + proc.stderr[-3000:]
     run = pipeline["runs"] / "Two_Process_GRPO"
     assert (run / "DONE").is_file() and (run / "adapter" / "adapter_model.safetensors").is_file()
     assert not list(pipeline["runs"].glob("Two_Process_GRPO_*"))  # one directory for both processes
