@@ -24,7 +24,6 @@ from common import fast
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
-from common.fast.static_decoder import GRAPH_FAILURES, grpo_rollout, supports_fast_decode, weights_backend
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.rewards import RewardScorer
 from common.runs import Run
@@ -45,16 +44,16 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
                         max_completion_length=config.max_completion_length,
                         temperature=config.temperature, beta=config.beta, log_completions=False)
     rollout = None
-    if config.rollout_backend == "static" and supports_fast_decode(policy):
+    if config.rollout_backend == "static" and fast.supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental: common/trl_compat.py
-        rollout = grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
-                               config.rollout_weights)
+        rollout = fast.grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
+                                    config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
     run.manifest["patches"] = fast.apply(trainer, config)
     # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
     # does not know: recorded either way.
-    decoder = {"decoder": "static", "decoder_weights": weights_backend(policy, config.rollout_weights)} \
+    decoder = {"decoder": "static", "decoder_weights": fast.weights_backend(policy, config.rollout_weights)} \
         if rollout else {"decoder": "trl_generate"}
     run.manifest["backends"] = fast.backends(config, run.manifest["patches"], **decoder,
                                              judge_scoring=judge_scoring(judge))
@@ -98,7 +97,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
 
     # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.
     metrics = train(trainer, run)
-    run.manifest["backends"]["decoder_fallbacks"] = list(GRAPH_FAILURES)  # graphs not captured: eager steps
+    run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)  # graphs not captured: eager steps
     save_adapter(policy, tokenizer, run)
     metrics["per_step"] = watch_per_step(metrics["log_history"])
     metrics["n_prompts"] = len(prompts)

@@ -35,7 +35,6 @@ from common import fast
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
-from common.fast.static_decoder import GRAPH_FAILURES
 from common.generation import decoder_backends, generate_replies
 from common.judges import describe_judges, gain_lines
 from common.metrics import judge_metrics, text_metrics
@@ -142,7 +141,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
 
     # 5. Write eval.json, every reply with its scores, the plots and the report; mark done. A CUDA graph
     #    that could not be captured fell back to eager decoding steps (slower, the same tokens): recorded.
-    run.manifest["backends"]["decoder_fallbacks"] = list(GRAPH_FAILURES)
+    run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)
     judge_info = {"judges": judges} if judges else {}
     write_json(run.dir / "eval.json", {**results, **task_report["baselines"], **judge_info})
     write_jsonl(run.dir / "replies.jsonl", [

@@ -18,7 +18,7 @@ def test_trainers_still_filter_columns_through_signature_columns():
 
 
 def test_grpo_still_tokenizes_prompts_and_accepts_a_rollout_function():
-    # common.static_decoder.grpo_rollout tokenises prompts exactly as TRL does, and is passed as rollout_func.
+    # common.fast.static_decoder.grpo_rollout tokenises prompts exactly as TRL does, and is passed as rollout_func.
     assert callable(getattr(trl.GRPOTrainer, "_tokenize_prompts", None))
     assert "rollout_func" in inspect.signature(trl.GRPOTrainer.__init__).parameters
 
