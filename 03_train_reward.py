@@ -95,8 +95,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                           processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
                           compute_loss_func=pointwise_loss, callbacks=callbacks)
     run.manifest["patches"] = fast.apply(trainer, config)
-    run.manifest["backends"] = fast.backends(config, run.manifest["patches"],
-                                                judge_scoring="packed" if scorer.packed else "padded")
+    run.manifest["backends"] = fast.backends(config, run.manifest["patches"], judge_scoring=scorer.scoring)
     n_dropped = len(train_set) - len(trainer.train_dataset)
     if n_dropped:
         log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)

@@ -64,7 +64,7 @@ def judge_scoring(judge) -> str:
     """How the judge scores the replies: packed (the replies to a premise sharing it) or padded rows;
     a plain reward function is recorded as such."""
     scorer = getattr(judge, "scorer", None)
-    return "reward function" if scorer is None else "packed" if scorer.packed else "padded"
+    return "reward function" if scorer is None else scorer.scoring
 
 
 def main(config: GRPOStageConfig, overrides: dict) -> None:

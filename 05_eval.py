@@ -115,7 +115,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in judge_runs.items():  # one judge in memory at a time
         judge = RewardScorer.from_run(path, batch_size=config.batch_size, packed=config.fast_paths)
-        run.manifest["backends"]["judge_scoring"][name] = "packed" if judge.packed else "padded"
+        run.manifest["backends"]["judge_scoring"][name] = judge.scoring
         scores = every_judge[name] = {model: judge.score(prompts, texts) for model, texts in replies.items()}
         del judge
         for model in replies:

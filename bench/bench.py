@@ -213,14 +213,13 @@ def step_parts(step_seconds: list[float], timing: dict) -> dict:
 
 
 class StepClock(TrainerCallback):
-    """Each optimiser step's end time, and the row's peak memory so far at that point (GiB)."""
+    """Each optimiser step's end time (the training stages record memory per step themselves)."""
     def __init__(self):
-        self.times, self.peaks = [], []
+        self.times = []
 
     def on_step_end(self, args, state, control, **kwargs):
         sync()
         self.times.append(time.perf_counter())
-        self.peaks.append(round(peak_gib(), 3) if torch.cuda.is_available() else None)
 
 
 class StepProfile(TrainerCallback):
@@ -911,8 +910,9 @@ class Bench:
                      "rollout_new_tokens_per_s": round(sum(toks) / max(sum(gens), 1e-9), 1),
                      "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),
                      # the row's peak so far, after each rollout and at each step's end: where it is reached
-                     "peak_after_rollout_gib": timing["peak_after_rollout"], "peak_at_step_end_gib": clock.peaks,
-                     # and what the allocator holds at each step's end (the stage's own record)
+                     "peak_after_rollout_gib": timing["peak_after_rollout"],
+                     # and at each step's end, with what the allocator holds (the stage's own record)
+                     "peak_at_step_end_gib": [m["peak_so_far_gib"] for m in trained["gpu_memory_per_step"]],
                      "reserved_at_step_end_gib": [m["reserved_gib"] for m in trained["gpu_memory_per_step"]],
                      "seconds_per_step_parts": step_parts(secs, timing), "patches": built.manifest.get("patches"),
                      "peak_gib": peak_gib()})

@@ -113,6 +113,12 @@ class RewardScorer:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens} leaves no room for the reply in "
                              f"max_length={max_length}")
 
+    @property
+    def scoring(self) -> str:
+        """How it scores, for a manifest's `judge_scoring`: "packed" (the replies to a prompt share it) or
+        "padded" (transformers' padded rows)."""
+        return "packed" if self.packed else "padded"
+
     @classmethod
     def load(cls, config: RewardStageConfig, adapter: str | Path | None = None, trainable: bool = True,
              batch_size: int = 8, packed: bool = True) -> "RewardScorer":

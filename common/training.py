@@ -120,8 +120,8 @@ def _padding(cls, config: TrainArgs) -> dict:
 def _checkpointing(cls, config: TrainArgs) -> dict:
     """Activation checkpointing under the name this transformers has (5.24: activation_*, 5.17: gradient_*).
     With offload_activations the reentrant variant is needed: it saves each layer's input through
-    autograd's saved-tensor hooks, which save_on_cpu moves to CPU memory (the non-reentrant variant
-    keeps it on the GPU)."""
+    autograd's saved-tensor hooks, which `offload_saved_activations` moves to CPU memory (the
+    non-reentrant variant keeps it on the GPU)."""
     prefix = "activation" if "activation_checkpointing" in {f.name for f in dataclasses.fields(cls)} else "gradient"
     return {f"{prefix}_checkpointing": config.gradient_checkpointing,
             f"{prefix}_checkpointing_kwargs": {"use_reentrant": bool(config.offload_activations)}}

@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, run_dir_of, run_stage
 
 from common.config import PLAIN_PATHS, STAGE_CONFIGS, DPOStageConfig, GRPOStageConfig
+from common.fast.decode_step import nf4_dequantizer
 
 NF4_TOLERANCE = 3e-2  # the same maths through other kernels, in bf16 compute on a 4-bit base
 
@@ -86,7 +88,8 @@ def test_manifests_name_the_backends(runs):
     grpo = _backends(runs["grpo_false"])
     assert (grpo["decoder"], grpo["judge_scoring"], grpo["patches"]) == ("trl_generate", "padded", [])
     grpo = _backends(runs["grpo_true"])
-    assert (grpo["decoder"], grpo["decoder_weights"], grpo["judge_scoring"]) == ("static", "nf4_bitsandbytes", "packed")
+    dequantizer = nf4_dequantizer("cuda" if torch.cuda.is_available() else "cpu")  # Triton's on a GPU
+    assert (grpo["decoder"], grpo["decoder_weights"], grpo["judge_scoring"]) == ("static", f"nf4_{dequantizer}", "packed")
     assert "group_in_one_sequence" in grpo["patches"] and grpo["decoder_fallbacks"] == []  # no graph on the CPU
     evaluation = _backends(runs["eval_false"])
     assert evaluation["decoder"] == "hf_generate" and set(evaluation["judge_scoring"].values()) == {"padded"}

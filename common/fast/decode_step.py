@@ -70,10 +70,10 @@ def nf4_dequantizer(device) -> str:
     return "triton" if torch.device(device).type == "cuda" and nf4_dequantize.available() else "bitsandbytes"
 
 
-def _dequantize_into(out, linear, absmax) -> None:
+def _dequantize_into(out, linear, absmax, kernel: str) -> None:
     qs = linear.weight.quant_state
     args = (linear.weight.data, absmax, qs.blocksize, qs.quant_type, qs.shape, qs.dtype)
-    if nf4_dequantizer(out.device) == "triton" and qs.quant_type == "nf4":
+    if kernel == "triton" and qs.quant_type == "nf4":
         nf4_dequantize.nf4_dequantize(linear.weight.data, absmax, qs.code, out, qs.blocksize)
     elif out.is_cuda:
         torch.ops.bitsandbytes.dequantize_4bit.out(*args, out=out)
@@ -92,8 +92,9 @@ class _Group:
         self.in_features = bases[0].in_features
         rows = sum(self.sizes)
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
-        if self.nf4:  # dequantised into `scratch` at each step
+        if self.nf4:  # dequantised into `scratch` at each step, by the kernel chosen once here
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
+            self.dequantizer = nf4_dequantizer(scratch.device)
             self.weight = scratch[:rows * self.in_features].view(rows, self.in_features)
         elif all(_is_4bit(b) for b in bases):  # bf16 copies, made once: the base is frozen
             from bitsandbytes.functional import dequantize_4bit
@@ -122,7 +123,7 @@ class _Group:
         if self.nf4:
             o0 = 0
             for (linear, absmax), size in zip(self.bases, self.sizes):
-                _dequantize_into(self.weight[o0:o0 + size], linear, absmax)
+                _dequantize_into(self.weight[o0:o0 + size], linear, absmax, self.dequantizer)
                 o0 += size
         y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
         if self.lora_a is not None:

@@ -213,8 +213,6 @@ def unmask_right_padding(model) -> bool:
     return True
 
 
-
-
 def offload_saved_activations(model, keep_bytes: int = 0) -> None:
     """Inside each training forward, what autograd saves for backward (with reentrant checkpointing: each
     layer's input) goes to pinned CPU memory, once `keep_bytes` of it are kept on the GPU: 32k-token inputs
@@ -223,8 +221,7 @@ def offload_saved_activations(model, keep_bytes: int = 0) -> None:
 
     def enter(module, args):
         if module.training and torch.is_grad_enabled():
-            ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if not keep_bytes \
-                else OffloadBeyond(keep_bytes)
+            ctx = OffloadBeyond(keep_bytes)
             ctx.__enter__()
             active.append(ctx)
 
@@ -232,7 +229,7 @@ def offload_saved_activations(model, keep_bytes: int = 0) -> None:
         if active:
             ctx = active.pop()
             ctx.__exit__(None, None, None)
-            if isinstance(ctx, OffloadBeyond) and not said:
+            if not said:
                 log.info("offload_activations: the first forward kept %.2f GiB of saved activations on the GPU and "
                          "copied %.2f GiB to CPU memory", ctx.kept / 2 ** 30, ctx.offloaded / 2 ** 30)
                 said.append(True)
@@ -243,7 +240,8 @@ def offload_saved_activations(model, keep_bytes: int = 0) -> None:
 
 class OffloadBeyond(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors stay where they are until `keep_bytes` are kept; later ones of a megabyte or more are
-    copied to (pinned) CPU memory and back when backward needs them, as `save_on_cpu` does with every one."""
+    copied to (pinned) CPU memory and back when backward needs them, as torch's `save_on_cpu` does with
+    every one (smaller ones are not worth a copy)."""
 
     def __init__(self, keep_bytes: int, min_bytes: int = 2 ** 20):
         self.kept = self.offloaded = 0

@@ -52,7 +52,7 @@ class SharedPromptCollator(DataCollatorForPreference):
 
     def torch_call(self, examples):
         if self.truncation_mode != "keep_start":  # keep_end may cut the two prompts differently
-            raise ValueError("shared_prompt needs truncation_mode keep_start")
+            raise ValueError("pair_in_one_sequence needs truncation_mode keep_start")
         batch = super().torch_call(examples)
         n, ids, completion = len(examples), batch["input_ids"], batch["completion_mask"]
         seqs, positions, labels, branches, shifts = [], [], [], [], []
