@@ -38,6 +38,7 @@ def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig, task) -> Da
 
 def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev_rows) -> SFTTrainer:
     task = get_task(run.task)
+    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
     args = trainer_args(SFTConfig, config, run, max_length=config.max_length,
                         completion_only_loss=True, per_device_eval_batch_size=config.per_device_train_batch_size)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,

@@ -81,6 +81,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     if stopping and not dev_rows:
         raise RunError(f"early_stopping_patience: no {config.audit_split} pairs to stop on")
     callbacks = [EarlyStoppingCallback(config.early_stopping_patience)] if stopping else None
+    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
     if config.judge_objective == "pairwise":
         train_set = preference_dataset(train_rows, scorer)
         trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length,

@@ -98,6 +98,7 @@ def preference_dataset(rows, prompts, rejected, tokenizer, config: DPOStageConfi
 
 
 def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Dataset):
+    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
     if config.loss == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # experimental: common/trl_compat.py

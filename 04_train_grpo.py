@@ -40,6 +40,7 @@ def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Datase
 
 
 def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenizer) -> GRPOTrainer:
+    run.manifest["memory_plan"] = fast.fit_memory(config, policy)  # memory_levers fit: what this GPU needs
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
                         temperature=config.temperature, beta=config.beta, log_completions=False)

@@ -81,7 +81,10 @@ REVIEW_SFT_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours_keep_3gib", {"offload_keep_gib": 3.0}),
                        ("llama31-8b", "ours_no_offload", {"offload_activations": False}),
                        ("llama31-8b", "ours_chunks", {"mlp_chunk_tokens": 4096}),
-                       ("llama31-8b", "ours_flash", {"cudnn_attention": False})]
+                       ("llama31-8b", "ours_flash", {"cudnn_attention": False}),
+                       # memory_levers fit: the levers this GPU needs (all of it, then a 12 GiB budget)
+                       ("llama31-8b", "ours_fit", {"memory_levers": "fit"}),
+                       ("llama31-8b", "ours_fit_12gib", {"memory_levers": "fit", "memory_budget_gib": 12.0})]
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama3-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
                        ("llama3-8b", "ours_offload", {"offload_activations": True}),
@@ -90,7 +93,10 @@ REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
                        ("llama31-8b", "ours_no_chunks", {"mlp_chunk_tokens": 0}),
                        ("llama31-8b", "ours_no_chunks_keep_3gib", {"mlp_chunk_tokens": 0, "offload_keep_gib": 3.0}),
-                       ("llama31-8b", "ours_no_levers", {"offload_activations": False, "mlp_chunk_tokens": 0})]
+                       ("llama31-8b", "ours_no_levers", {"offload_activations": False, "mlp_chunk_tokens": 0}),
+                       ("llama31-8b", "ours_fit", {"memory_levers": "fit", "mlp_chunk_tokens": 0}),
+                       ("llama31-8b", "ours_fit_12gib", {"memory_levers": "fit", "memory_budget_gib": 12.0,
+                                                         "mlp_chunk_tokens": 0})]
 REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, bos_token_id=128000,
@@ -314,12 +320,13 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     mem_reset()
     sync()
     start = time.perf_counter()
+    stage_peak = None
     if pipeline:  # through the stages' train(): its right-padding, offload and Liger settings apply
         from common.training import train
-        train(trainer, bench_run(Path(trainer.args.output_dir).parent))
+        stage_peak = train(trainer, bench_run(Path(trainer.args.output_dir).parent))["gpu_peak_gib"]
     else:
         trainer.train()
-    peak = peak_gib()
+    peak = peak_gib() if stage_peak is None else max(peak_gib(), stage_peak)  # train() resets it every step
     w = min(warmup_steps, len(clock.times) - 1)
     t0 = clock.times[w - 1] if w > 0 else start
     measured = tokens[w * micro_per_step: len(clock.times) * micro_per_step]
@@ -456,12 +463,15 @@ class Bench:
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
         with lever(self.policy, ours, dropout):
             r = train_run(trainer, ga, ours)
+        _remove_offload_hooks(self.policy)
         self.record({"stage": "sft", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "cudnn_attention": cfg.cudnn_attention or not ours,
                      "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "per_device": None if budget else cfg.per_device_train_batch_size, "max_tokens_per_batch": budget,
                      "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "grad_accum": ga, "checkpointing": cfg.gradient_checkpointing,
+                     "offload_activations": bool(cfg.offload_activations and ours),
+                     "memory_plan": run.manifest.get("memory_plan"),
                      "group_by_length": bool(budget) or (cfg.group_by_length and ours),
                      "liger": cfg.liger_kernel and ours, **r})
         del trainer
@@ -569,7 +579,8 @@ class Bench:
                      "setting": setting, "batches": str(n_full), "recipe": recipe,
                      "max_length": cfg.max_length, "input_strategy": cfg.input_strategy,
                      "sequence_tokens": r["real_tokens"] // max(r["steps_timed"], 1), "grad_accum": 1,
-                     "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
+                     "checkpointing": cfg.gradient_checkpointing, "memory_plan": run.manifest.get("memory_plan"),
+                     "offload_activations": bool(cfg.offload_activations and ours),
                      "offload_keep_gib": cfg.offload_keep_gib if ours and cfg.offload_activations else None,
                      "cudnn_attention": cfg.cudnn_attention or not ours,
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
@@ -650,7 +661,9 @@ class Bench:
                      run.manifest.get("one_sequence_attention", loaded_attn), "ref_adapter": ref_adapter,
                      "precompute_ref_log_probs": bool(ours and cfg.precompute_ref_log_probs),
                      "trainer_build_s": built_s, "seconds_per_step": round(r["seconds"] / timed, 3),
-                     "grad_accum": 1, "checkpointing": True, "offload_activations": bool(cfg.offload_activations and ours),
+                     "grad_accum": 1, "checkpointing": cfg.gradient_checkpointing,
+                     "memory_plan": run.manifest.get("memory_plan"),
+                     "offload_activations": bool(cfg.offload_activations and ours),
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
                      "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
                      "target_met": None if r["peak_gib"] is None else r["peak_gib"] <= target})
@@ -770,7 +783,9 @@ class Bench:
         scorer = RewardScorer(self.judge_model, self.tokenizer, cfg.max_prompt_tokens, cfg.max_length)
         data = preference_dataset(rows, scorer)  # encoded by the scorer, as stage 03 does
         if ours:
+            from common import fast
             from common.training import trainer_args
+            run.manifest["memory_plan"] = fast.fit_memory(cfg, self.judge_model)
             args = trainer_args(trl.RewardConfig, cfg, run, max_length=cfg.max_length)
         else:
             args = trl.RewardConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
@@ -780,19 +795,21 @@ class Bench:
         trainer = trl.RewardTrainer(model=self.judge_model, args=args, processing_class=self.tokenizer,
                                     train_dataset=data)
         if ours:  # what stage 03's trainer gets
-            from common import fast
             fast.apply(trainer, cfg)
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
         with lever(self.judge_model, ours, dropout):
             # FlexAttention (padding_free on a GPU) compiles for the first shapes: those steps are not timed
             r = train_run(trainer, ga, ours, warmup_steps=3 if cfg.padding_free and not self.tiny else 1)
+        _remove_offload_hooks(self.judge_model)
         self.record({"stage": "reward", "name": name, "setting": "ours" if ours else "trl", "batches": kind,
                      "cudnn_attention": cfg.cudnn_attention or not ours,
                      "lora_dropout": MODEL_LORA_DROPOUT if dropout is None else dropout,
                      "pairs_per_device": None if budget else cfg.per_device_train_batch_size,
                      "max_tokens_per_batch": budget, "pad_to_multiple_of": cfg.pad_to_multiple_of if ours else 0,
                      "padding_free": cfg.padding_free and ours,
-                     "grad_accum": ga,
+                     "grad_accum": ga, "checkpointing": cfg.gradient_checkpointing,
+                     "offload_activations": bool(cfg.offload_activations and ours),
+                     "memory_plan": run.manifest.get("memory_plan"),
                      "group_by_length": bool(budget) or (cfg.group_by_length and ours),
                      "liger": cfg.liger_kernel and ours, **r})
         del trainer
@@ -909,13 +926,15 @@ class Bench:
                      "reward_seconds_total": round(sum(timing["reward_s"]), 2),
                      "rollout_new_tokens_per_s": round(sum(toks) / max(sum(gens), 1e-9), 1),
                      "projected_1000_premises_min": round(step_s * 1000 / premises_per_step / 60, 2),
-                     # the row's peak so far, after each rollout and at each step's end: where it is reached
+                     # each step's peak up to the end of its rollout, and the whole step's (the stage's own
+                     # record, its counter reset at each step's start), with what is still allocated at its end
                      "peak_after_rollout_gib": timing["peak_after_rollout"],
-                     # and at each step's end, with what the allocator holds (the stage's own record)
-                     "peak_at_step_end_gib": [m["peak_so_far_gib"] for m in trained["gpu_memory_per_step"]],
+                     "peak_per_step_gib": [m["peak_gib"] for m in trained["gpu_memory_per_step"]],
+                     "allocated_at_step_end_gib": [m["allocated_gib"] for m in trained["gpu_memory_per_step"]],
                      "reserved_at_step_end_gib": [m["reserved_gib"] for m in trained["gpu_memory_per_step"]],
                      "seconds_per_step_parts": step_parts(secs, timing), "patches": built.manifest.get("patches"),
-                     "peak_gib": peak_gib()})
+                     "memory_plan": built.manifest.get("memory_plan"),
+                     "peak_gib": max(peak_gib(), trained["gpu_peak_gib"] or 0)})
         judge.score = score
         gen._capture = capture
         del trainer
@@ -997,6 +1016,8 @@ class Bench:
             g("sft real ours pad64", lambda: self.sft("sft_real_ours_pad64", "real", S, True, pad_to_multiple_of=64), 40)
             g("sft real ours cudnn", lambda: self.sft("sft_real_ours_cudnn", "real", S, True, cudnn_attention=True), 40)
             g("sft real ours dropout", lambda: self.sft("sft_real_ours_dropout", "real", S, True, lora_dropout=0.05), 40)
+            # memory_levers fit: on a GPU with room, no activation checkpointing
+            g("sft real ours fit", lambda: self.sft("sft_real_ours_fit", "real", S, True, memory_levers="fit"), 40)
         if "long" in sections:
             g("long ours", lambda: self.long(True), 45)
             g("long ours chunked", lambda: self.long(True, mlp_chunk_tokens=4096), 45)
@@ -1016,9 +1037,13 @@ class Bench:
                                                             cudnn_attention=True), 40)
             g("reward real ours dropout", lambda: self.reward("reward_real_ours_dropout", "real", self.reward_lengths,
                                                               True, lora_dropout=0.05), 40)
+            g("reward real ours fit", lambda: self.reward("reward_real_ours_fit", "real", self.reward_lengths, True,
+                                                          memory_levers="fit"), 40)
         self.other_resident = 0.0
         if "grpo" in sections:
             g("grpo ours", lambda: self.grpo(True, 2 if self.tiny else self.args.grpo_steps), 60)
+            # memory_levers fit on the whole GPU: the update without activation checkpointing
+            g("grpo ours fit", lambda: self.grpo(True, 2 if self.tiny else 3, "grpo_ours_fit", memory_levers="fit"), 60)
             # before the judge scored a step's replies in one row: one padded row a premise, dense SDPA masks
             g("grpo ours judge sdpa", lambda: self.grpo(True, 2 if self.tiny else 3, "grpo_ours_judge_sdpa",
                                                         judge_in_one_row=False), 60)

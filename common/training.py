@@ -57,23 +57,32 @@ class StopOnRequest(TrainerCallback):
 
 
 class MemoryPerStep(TrainerCallback):
-    """On a GPU, at each optimiser step's end: the process's peak of allocated memory so far and what the
-    allocator holds (GiB). A run whose memory is flat shows the same numbers step after step; one that
-    grows with its batches shows at which step. In metrics.json as `gpu_memory_per_step`, and in the log
-    every `logging_steps`. The peak is never reset here: a caller's own peak measurement stays whole."""
+    """On a GPU, each optimiser step's own peak of allocated memory, what is still allocated at its end and what
+    the allocator holds (GiB). In a run whose memory is flat the peaks follow the size of each step's batches
+    and the memory allocated at a step's end does not grow; a leak shows as a step-end allocation that climbs.
+    In metrics.json as `gpu_memory_per_step` (and `gpu_peak_gib`, the run's peak), in the log every
+    `logging_steps`. The peak counter is reset at each step's start; `peak_gib` keeps the most of what came
+    before the first step and of every step."""
 
     def __init__(self):
-        self.steps = []
+        self.steps, self.peak_gib = [], 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            self.peak_gib = max(self.peak_gib, torch.cuda.max_memory_allocated() / 2 ** 30)
+            torch.cuda.reset_peak_memory_stats()
 
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             gib = 2 ** 30
-            self.steps.append({"step": state.global_step,
-                               "peak_so_far_gib": round(torch.cuda.max_memory_allocated() / gib, 3),
+            peak = torch.cuda.max_memory_allocated() / gib
+            self.peak_gib = max(self.peak_gib, peak)
+            self.steps.append({"step": state.global_step, "peak_gib": round(peak, 3),
+                               "allocated_gib": round(torch.cuda.memory_allocated() / gib, 3),
                                "reserved_gib": round(torch.cuda.memory_reserved() / gib, 3)})
             if args.logging_steps and state.global_step % args.logging_steps == 0:
-                log.info("step %d: GPU memory peak so far %.2f GiB, reserved %.2f GiB", state.global_step,
-                         self.steps[-1]["peak_so_far_gib"], self.steps[-1]["reserved_gib"])
+                log.info("step %d: GPU memory peak %.2f GiB, allocated at its end %.2f GiB, reserved %.2f GiB",
+                         state.global_step, peak, self.steps[-1]["allocated_gib"], self.steps[-1]["reserved_gib"])
 
 
 def trainer_args(cls, config: TrainArgs, run, **extra):
@@ -171,7 +180,7 @@ def train(trainer, run) -> dict:
     history = trainer.state.log_history  # restored from the checkpoint: it covers the earlier segments
     metrics = {"train": {**dict(result.metrics), **whole_run_metrics(history, run.manifest["segments"])},
                "global_step": trainer.state.global_step, "resumed_from": checkpoint, "log_history": history,
-               "gpu_memory_per_step": memory.steps}
+               "gpu_memory_per_step": memory.steps, "gpu_peak_gib": round(memory.peak_gib, 3) if memory.steps else None}
     # A run whose weights are NaN or inf would finish DONE and be used by later stages as a model.
     if not all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.requires_grad):
         run.fail(metrics, f"training diverged: the trained weights hold NaN or inf after step "

@@ -1,0 +1,83 @@
+"""`memory_levers: fit` (common/fast/memory_plan.py): the tokens of each stage's largest micro-batch, the
+estimated peak of each plan, the choice of plan against a budget, and that on the CPU or with `as_set` the
+levers stay as written. What the estimates are worth on a GPU is measured by the bench (bench/RESULTS.md)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY
+
+from common.config import DPOStageConfig, GRPOStageConfig, RewardStageConfig, SFTStageConfig
+from common.fast import memory_plan
+
+LLAMA3_8B = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                            num_hidden_layers=32)
+
+
+def test_micro_batch_tokens_follow_each_stage_layout():
+    assert memory_plan.micro_batch_tokens(SFTStageConfig(pairs_run="p", max_tokens_per_batch=6144)) == 6144
+    assert memory_plan.micro_batch_tokens(SFTStageConfig(pairs_run="p", per_device_train_batch_size=3, max_length=700)) == 2100
+    # the reward model: chosen and rejected rows
+    assert memory_plan.micro_batch_tokens(RewardStageConfig(pairs_run="p", per_device_train_batch_size=3, max_length=700)) == 4200
+    # DPO: prompt, chosen and rejected in one sequence, or TRL's two rows
+    one = DPOStageConfig(sft_run="s", per_device_train_batch_size=1, max_prompt_tokens=19456, max_length=20480)
+    two = DPOStageConfig(sft_run="s", per_device_train_batch_size=1, max_prompt_tokens=19456, max_length=20480,
+                         pair_in_one_sequence=False)
+    assert memory_plan.micro_batch_tokens(one) == 19456 + 2 * 1024
+    assert memory_plan.micro_batch_tokens(two) == 2 * 20480
+    # GRPO: a premise once with its replies as branches, or one row a reply
+    grpo = dict(sft_run="s", reward_run="r", per_device_train_batch_size=16, num_generations=4, max_prompt_tokens=512,
+                max_completion_length=256)
+    assert memory_plan.micro_batch_tokens(GRPOStageConfig(**grpo)) == 4 * (512 + 4 * 256)
+    assert memory_plan.micro_batch_tokens(GRPOStageConfig(**grpo, group_in_one_sequence=False)) == 16 * (512 + 256)
+
+
+def test_activation_bytes_of_a_llama_layer():
+    layer, layer_input = memory_plan.activation_bytes(LLAMA3_8B)
+    assert layer_input == 2 * 4096
+    assert layer == 2 * (7 * 4096 + 2 * 1024 + 3 * 14336)  # 147,456 bytes a token
+
+
+def test_estimates_order_the_plans_and_grow_with_the_micro_batch():
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    small, large = (SFTStageConfig(pairs_run="p", max_tokens_per_batch=n) for n in (1000, 4000))
+    a, b = (memory_plan.estimates(c, model, allocated=2 ** 30) for c in (small, large))
+    for peaks in (a, b):
+        assert peaks["keep_all"] > peaks["checkpoint"] >= peaks["offload_all"] > 1.0  # 1 GiB allocated
+    llama = SimpleNamespace(config=LLAMA3_8B, parameters=lambda: iter([]))
+    peaks = memory_plan.estimates(SFTStageConfig(pairs_run="p", max_tokens_per_batch=20480), llama, allocated=0)
+    assert peaks["keep_all"] > 5 * peaks["checkpoint"] > 5 * peaks["offload_all"] > 5 * 3.0
+    layer, layer_input = memory_plan.activation_bytes(model.config)
+    layers = model.config.num_hidden_layers
+    per_token = memory_plan.SAFETY * layers * layer / 2 ** 30
+    assert b["keep_all"] - a["keep_all"] == pytest.approx(3000 * per_token, rel=1e-6)
+    assert b["checkpoint"] - a["checkpoint"] == pytest.approx(
+        3000 * memory_plan.SAFETY * (layers * layer_input + memory_plan.RECOMPUTED_LAYERS["checkpoint"] * layer) / 2 ** 30,
+        rel=1e-6)
+
+
+@pytest.mark.parametrize("budget, plan, keep", [(60.0, "keep_all", 0.0), (20.0, "checkpoint", 0.0),
+                                                (14.2, "offload", 2.2 / memory_plan.SAFETY), (12.0, "offload_all", 0.0),
+                                                (8.0, "offload_all", 0.0)])
+def test_the_fastest_plan_that_fits_is_chosen(budget, plan, keep):
+    peaks = {"keep_all": 50.0, "checkpoint": 18.0, "offload_all": 12.0}
+    assert memory_plan.choose(peaks, budget) == (plan, pytest.approx(keep, abs=0.01))
+
+
+def test_on_the_cpu_and_as_set_the_levers_stay_as_written():
+    model = torch.nn.Linear(2, 2)
+    for levers in ("as_set", "fit"):
+        config = SFTStageConfig(pairs_run="p", memory_levers=levers, gradient_checkpointing=True, offload_activations=True,
+                                offload_keep_gib=1.5)
+        decided = memory_plan.fit(config, model) if not torch.cuda.is_available() or levers == "as_set" else None
+        if decided is None:
+            continue
+        assert decided["levers"] == "as_set"
+        assert (config.gradient_checkpointing, config.offload_activations, config.offload_keep_gib) == (True, True, 1.5)
+
+
+def test_plain_paths_plan_nothing():
+    assert SFTStageConfig(pairs_run="p", memory_levers="fit", fast_paths=False).memory_levers == "as_set"
