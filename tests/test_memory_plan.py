@@ -81,3 +81,19 @@ def test_on_the_cpu_and_as_set_the_levers_stay_as_written():
 
 def test_plain_paths_plan_nothing():
     assert SFTStageConfig(pairs_run="p", memory_levers="fit", fast_paths=False).memory_levers == "as_set"
+
+
+def test_grpo_counts_its_rollout_cache_where_it_outweighs_the_update():
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(TINY)
+    c = model.config
+    config = GRPOStageConfig(sft_run="s", reward_run="r", per_device_train_batch_size=4, num_generations=4,
+                             max_prompt_tokens=100, max_completion_length=20, rollout_batch_size=256)
+    copies, cache = memory_plan.rollout_bytes(config, model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    assert copies == 0  # a full-precision model: no 4-bit weights to copy
+    assert cache == 2 * c.num_hidden_layers * 256 * c.num_key_value_heads * head_dim * 120 * 2
+    peaks = memory_plan.estimates(config, model, allocated=0)
+    assert peaks["offload_all"] * 2 ** 30 >= cache  # the rollout's cache outweighs one premise's update here
+    config.rollout_backend = "hf"
+    assert memory_plan.rollout_bytes(config, model) == (0, 0)

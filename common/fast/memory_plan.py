@@ -15,8 +15,8 @@ memory). If none fits, `offload_all` is taken and the log says by how much it is
 what is allocated once the model is loaded, plus the LoRA's gradients and AdamW's two moments, plus the
 activations of the run's largest micro-batch (`micro_batch_tokens`) at bytes a token from the model's
 shape (`activation_bytes`), times `SAFETY` (the allocator's slack and the transients not counted).
-GRPO adds its rollout: the static decoder's KV cache, and bf16 copies of the base with
-`rollout_weights: bf16`. The run's manifest records the plan and its estimates, and its metrics the
+GRPO adds its rollouts: bf16 copies of the base with `rollout_weights: bf16`, and the static
+decoder's KV cache where it is larger than the update's activations (a rollout ends before the update). The run's manifest records the plan and its estimates, and its metrics the
 measured peak of every step (`gpu_memory_per_step`), so each run checks its own estimate.
 
 On a CPU, or with `memory_levers: as_set`, the levers stay as the config sets them.
@@ -71,10 +71,11 @@ def micro_batch_tokens(config) -> int:
     return rows * config.max_length
 
 
-def rollout_bytes(config, model) -> int:
-    """GRPO: what its rollouts hold beside training (the static decoder's KV cache; bf16 base copies)."""
+def rollout_bytes(config, model) -> tuple[int, int]:
+    """GRPO's rollouts: (what they keep for the run, bf16 copies of the base with `rollout_weights: bf16`;
+    what a rollout holds while it runs, the static decoder's KV cache, freed before the update)."""
     if type(config).__name__ != "GRPOStageConfig" or config.rollout_backend != "static":
-        return 0
+        return 0, 0
     from common.model import unwrap_peft
     lm_config = unwrap_peft(model).config
     heads = lm_config.num_attention_heads
@@ -84,7 +85,7 @@ def rollout_bytes(config, model) -> int:
     copies = 0
     if config.rollout_weights == "bf16":  # two bytes for each 4-bit weight (two of them a byte)
         copies = sum(4 * p.numel() for p in model.parameters() if p.dtype == torch.uint8)
-    return cache + copies
+    return copies, cache
 
 
 def estimates(config, model, allocated: int) -> dict[str, float]:
@@ -94,11 +95,12 @@ def estimates(config, model, allocated: int) -> dict[str, float]:
     layer, layer_input = activation_bytes(unwrap_peft(model).config)
     tokens = micro_batch_tokens(config)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    fixed = allocated + trainable * 3 + rollout_bytes(config, model)  # gradients, AdamW's two moments
+    copies, cache = rollout_bytes(config, model)
+    fixed = allocated + trainable * 3 + copies  # the LoRA's gradients and AdamW's two moments
     checkpoint = layers * layer_input + RECOMPUTED_LAYERS["checkpoint"] * layer
     kept = {"keep_all": layers * layer, "checkpoint": checkpoint,
             "offload_all": min(RECOMPUTED_LAYERS["offload_all"] * layer, checkpoint)}  # few layers: nothing to gain
-    return {plan: (fixed + SAFETY * tokens * per_token) / GIB for plan, per_token in kept.items()}
+    return {plan: (fixed + max(cache, SAFETY * tokens * per_token)) / GIB for plan, per_token in kept.items()}
 
 
 def budget_gib(config, device) -> float:
