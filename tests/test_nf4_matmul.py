@@ -70,15 +70,87 @@ def test_matches_bitsandbytes(nf4, m, n, k, split_k):
     assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("m,blocksize,split_k", [(5, 64, None), (5, 64, 3), (64, 64, 4), (3, 128, 2), (130, 64, 2)])
-def test_fp16_blocksize_and_m_tiles(nf4, m, blocksize, split_k):
-    """fp16 like the GPU's bf16 path; an uneven split (8 blocks in 3); blocksize 128; M past 128 (two M tiles)."""
+@pytest.mark.parametrize("m,blocksize,split_k,block_k", [(5, 64, None, None), (5, 64, 3, 64), (64, 64, 4, None),
+                                                         (3, 128, 2, None), (130, 64, 2, None)])
+def test_fp16_blocksize_and_m_tiles(nf4, m, blocksize, split_k, block_k):
+    """fp16 like the GPU's bf16 path; an uneven split (8 K tiles in 3); blocksize 128; M past 128 (two M tiles)."""
     n, k = 96, 512
     packed, absmax, qs = quantized(n, k, blocksize=blocksize)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(DEVICE).half()
-    y = run(nf4, x, packed, absmax, qs, n, k, split_k=split_k)
+    y = run(nf4, x, packed, absmax, qs, n, k, split_k=split_k, block_k=block_k)
     assert y.dtype == torch.float16
     assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("two_dots", [False, True])
+@pytest.mark.parametrize("pair_lut", [False, True])
+@pytest.mark.parametrize("block_k,split_k", [(64, 1), (128, 3), (256, 1), (256, 2)])
+def test_knobs_match_bitsandbytes(nf4, block_k, split_k, pair_lut, two_dots):
+    """Several quant blocks a K tile (scales broadcast within the tile), the pair table, two dots, split-K over
+    tiles (K=768 in 128-column tiles: 6 in 3 splits)."""
+    m, n, k = 5, 96, 768
+    packed, absmax, qs = quantized(n, k, seed=6)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    y = run(nf4, x, packed, absmax, qs, n, k, block_k=block_k, split_k=split_k, pair_lut=pair_lut, two_dots=two_dots)
+    assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("m,blocksize,block_k,split_k,pair_lut,two_dots,block_n",
+                         [(3, 128, 256, 2, True, True, 32), (3, 128, 128, 4, True, False, 64),
+                          (130, 64, 256, 2, True, True, 64), (64, 64, 512, 1, False, True, 128),
+                          (17, 64, 128, 4, True, False, 32)])
+def test_knobs_fp16_blocksize_and_m_tiles(nf4, m, blocksize, block_k, split_k, pair_lut, two_dots, block_n):
+    """The knobs with fp16 x, blocksize 128 (two quant blocks a 256 tile), M past 128, and other BLOCK_N; an
+    uneven split (K=1024 in 128-column tiles: 8 in 4 splits; 2 in 4 becomes 2 splits)."""
+    n, k = 96, 1024 if block_k == 128 and blocksize == 64 else 512
+    packed, absmax, qs = quantized(n, k, blocksize=blocksize, seed=8)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(9)).to(DEVICE).half()
+    y = run(nf4, x, packed, absmax, qs, n, k, block_k=block_k, split_k=split_k, pair_lut=pair_lut,
+            two_dots=two_dots, block_n=block_n)
+    assert y.dtype == torch.float16
+    assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("pair_lut,two_dots,block_k", [(False, False, 256), (True, False, 128), (True, True, 256),
+                                                        (False, True, 64)])
+def test_weights_exactly_bitsandbytes_values(nf4, pair_lut, two_dots, block_k):
+    """x one-hot rows (the identity): out = W^T, every weight bit-for-bit as bitsandbytes dequantises it in x's dtype
+    (fp32 on CPU; bf16 on the GPU, where an fp32 dot would round to tf32). Catches what a tolerance could miss,
+    such as rounding the code table before scaling."""
+    import bitsandbytes.functional as F
+    n, k = 96, 256
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    packed, absmax, qs = quantized(n, k, seed=10)
+    ref = F.dequantize_4bit(packed, qs).float().to(dtype)
+    x = torch.eye(k, device=DEVICE, dtype=dtype)
+    y = run(nf4, x, packed, absmax, qs, n, k, block_k=block_k, pair_lut=pair_lut, two_dots=two_dots)
+    assert torch.equal(y, ref.T)
+
+
+def test_pair_table_and_knob_checks(nf4):
+    import nf4_fused
+    code = quantized(64, 128)[2].code
+    table = nf4_fused._pair_table(code)
+    assert table is nf4_fused._pair_table(code)  # cached
+    pairs = table.view(torch.float32).reshape(256, 2)
+    b = torch.arange(256, device=code.device)
+    assert torch.equal(pairs[:, 0], code[b >> 4]) and torch.equal(pairs[:, 1], code[b & 15])
+    packed, absmax, qs = quantized(64, 192)
+    x = torch.randn(2, 192, device=DEVICE)
+    for block_k in (128, 96, 32):  # 192 is not a multiple of 128; 96 is no power of two; 32 < blocksize
+        with pytest.raises(AssertionError, match="block_k"):
+            run(nf4, x, packed, absmax, qs, 64, 192, block_k=block_k)
+    assert nf4_fused._config(64, 64, 192, 64, torch.device("cpu")).block_k == 64  # the rule picks a divisor of K
+    assert nf4_fused._block_k(4096, 64, target=512) == 512 and nf4_fused._block_k(768, 128, target=512) == 256
+
+
+def test_default_config_rule(nf4):
+    """The rule at M=64 for Llama 3 8B's shapes, on an H200 (132 SMs, as the interpreter is taken to have)."""
+    import nf4_fused
+    got = {(n, k): nf4_fused._config(64, n, k, 64, torch.device("cpu"))
+           for n, k in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]}
+    assert {s: (c.block_n, c.block_k, c.split_k) for s, c in got.items()} == {
+        (4096, 4096): (64, 128, 4), (1024, 4096): (64, 128, 8), (14336, 4096): (64, 128, 2), (4096, 14336): (64, 128, 8)}
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -100,17 +172,19 @@ def test_out_column_slice_and_residual(nf4, split_k):
     assert rel_err(buf[:, n:2 * n], ref) < TOL[torch.float32]
 
 
-def test_comparison_is_sensitive(nf4):
+@pytest.mark.parametrize("knobs", [{}, {"block_k": 256, "pair_lut": True}, {"block_k": 128, "two_dots": True}])
+def test_comparison_is_sensitive(nf4, knobs):
     """One block's absmax doubled, or the two nibbles of each byte swapped: far outside the tolerance."""
     m, n, k = 5, 96, 256
     packed, absmax, qs = quantized(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     ref = reference(x, packed, qs)
+    assert rel_err(run(nf4, x, packed, absmax, qs, n, k, **knobs), ref) < TOL[torch.float32]
     bad = absmax.clone()
     bad[37] *= 2
-    assert rel_err(run(nf4, x, packed, bad, qs, n, k), ref) > 1e-2
+    assert rel_err(run(nf4, x, packed, bad, qs, n, k, **knobs), ref) > 1e-2
     swapped = (packed << 4) | (packed >> 4)
-    assert rel_err(run(nf4, x, swapped, absmax, qs, n, k), ref) > 1e-1
+    assert rel_err(run(nf4, x, swapped, absmax, qs, n, k, **knobs), ref) > 1e-1
 
 
 def _dequantize_check(nf4, dtype):
