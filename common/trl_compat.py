@@ -106,6 +106,8 @@ NAMES = [
     Private("transformers", f"{LLAMA}:LlamaModel", "rotary_emb", "static_decoder._prefill, decode_step: cos/sin",
             instance=True, source=("__init__", "self.rotary_emb")),
     Private("transformers", "transformers.activations", "ACT2FN", "decode_step.DecodeStep: Llama's MLP activation"),
+    Private("transformers", "transformers.modeling_layers:GradientCheckpointingLayer", "gradient_checkpointing",
+            "model_changes.checkpoint_some_layers: the per-layer switch that layers_not_checkpointed turns off"),
     # liger-kernel (GPU stages with liger_kernel: true; checked where it is installed)
     Private("liger-kernel", "liger_kernel.transformers.monkey_patch", "_apply_liger_kernel_to_instance",
             "model_changes.apply_liger_kernels: Liger's kernels in one model, not every model of the process"),

@@ -222,20 +222,21 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     assert b.results["errors"] == []
     rows = {r["name"]: r for r in b.results["rows"]}
     dpo_rows = {"review_dpo_896_trl", "review_dpo_2432_trl", "review_dpo_896_ours", "review_dpo_896_ours_offload",
-                "review_dpo_896_ours_precomputed_ref", "review_dpo_2432_ours", "review_dpo_2432_ours_no_chunks",
-                "review_dpo_2432_ours_no_chunks_keep_3gib", "review_dpo_2432_ours_no_levers", "review_dpo_2432_ours_fit",
-                "review_dpo_2432_ours_fit_12gib"}  # the flex rows: GPU only
-    sft_levers = {f"review_sft_20480_{s}" for s in ("ours_keep_3gib", "ours_no_offload", "ours_chunks", "ours_flash",
-                                                    "ours_fit", "ours_fit_12gib")}
+                "review_dpo_896_ours_precomputed_ref", "review_dpo_2432_ours",
+                "review_dpo_2432_ours_offload_all", "review_dpo_2432_ours_keep_3gib", "review_dpo_2432_ours_no_levers",
+                "review_dpo_2432_ours_fit_12gib", "review_dpo_2432_ours_fit_24gib"}  # the flex rows: GPU only
+    sft_levers = {f"review_sft_20480_{s}" for s in ("ours_offload_all", "ours_keep_3gib", "ours_no_offload", "ours_chunks",
+                                                    "ours_flash", "ours_fit_12gib", "ours_fit_24gib")}
     assert set(rows) == {"review_sft_8192_trl", "review_sft_20480_trl", "review_gen_b1", "review_gen_b2",
                          "review_gen_b4", "review_sft_8192_ours", "review_sft_20480_ours"} | dpo_rows | sft_levers
     levers = rows["review_sft_20480_ours_keep_3gib"]
     assert levers["offload_activations"] and levers["offload_keep_gib"] == 3.0 and not levers["mlp_chunk_tokens"]
     assert not rows["review_sft_20480_ours_no_offload"]["offload_activations"]
-    # memory_levers fit plans for a GPU: on the CPU the recipe's levers stay, and the row says so
-    fit = rows["review_sft_20480_ours_fit"]
-    assert fit["memory_plan"]["levers"] == "as_set" and "CPU" in fit["memory_plan"]["why"]
-    assert fit["offload_activations"] == rows["review_sft_20480_ours"]["offload_activations"]
+    # the recipe's memory_levers fit plans for a GPU: on the CPU its levers stay as written, and the row says so
+    for fit in (rows["review_sft_20480_ours"], rows["review_sft_20480_ours_fit_12gib"]):
+        assert fit["memory_plan"]["levers"] == "as_set" and "CPU" in fit["memory_plan"]["why"]
+        assert fit["offload_activations"] == rows["review_sft_20480_ours_offload_all"]["offload_activations"]
+    assert rows["review_sft_20480_ours_offload_all"]["memory_plan"] == {"levers": "as_set"}
     assert rows["review_sft_20480_ours_chunks"]["mlp_chunk_tokens"] == 4096 // 8
     # SFT: one sequence of the recipe's max_length (/ 8) a step, the recipe's levers on ours only
     for n, recipe in ((8192, "llama3-8b"), (20480, "llama31-8b")):

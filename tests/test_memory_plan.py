@@ -52,19 +52,44 @@ def test_estimates_order_the_plans_and_grow_with_the_micro_batch():
     assert peaks["keep_all"] > 5 * peaks["checkpoint"] > 5 * peaks["offload_all"] > 5 * 3.0
     layer, layer_input = memory_plan.activation_bytes(model.config)
     layers = model.config.num_hidden_layers
-    per_token = memory_plan.SAFETY * layers * layer / 2 ** 30
+    per_token = memory_plan.SAFETY * layers * memory_plan.KEPT_LAYER * layer / 2 ** 30
     assert b["keep_all"] - a["keep_all"] == pytest.approx(3000 * per_token, rel=1e-6)
     assert b["checkpoint"] - a["checkpoint"] == pytest.approx(
-        3000 * memory_plan.SAFETY * (layers * layer_input + memory_plan.RECOMPUTED_LAYERS["checkpoint"] * layer) / 2 ** 30,
+        3000 * memory_plan.SAFETY * (layers * layer_input + memory_plan.RECOMPUTED_LAYER["checkpoint"] * layer) / 2 ** 30,
         rel=1e-6)
+    assert b["per_kept_layer"] == pytest.approx(4 * a["per_kept_layer"])
 
 
-@pytest.mark.parametrize("budget, plan, keep", [(60.0, "keep_all", 0.0), (20.0, "checkpoint", 0.0),
-                                                (14.2, "offload", 2.2 / memory_plan.SAFETY), (12.0, "offload_all", 0.0),
-                                                (8.0, "offload_all", 0.0)])
-def test_the_fastest_plan_that_fits_is_chosen(budget, plan, keep):
-    peaks = {"keep_all": 50.0, "checkpoint": 18.0, "offload_all": 12.0}
-    assert memory_plan.choose(peaks, budget) == (plan, pytest.approx(keep, abs=0.01))
+@pytest.mark.parametrize("budget, plan, kept, keep", [(60.0, "keep_all", 32, 0.0), (30.0, "checkpoint_some", 8, 0.0),
+                                                      (18.5, "checkpoint", 0, 0.0),
+                                                      (14.2, "offload", 0, 2.2 / memory_plan.SAFETY),
+                                                      (12.0, "offload_all", 0, 0.0), (8.0, "offload_all", 0, 0.0)])
+def test_the_fastest_plan_that_fits_is_chosen(budget, plan, kept, keep):
+    peaks = {"keep_all": 50.0, "checkpoint": 18.0, "offload_all": 12.0, "per_kept_layer": 1.5}
+    assert memory_plan.choose(peaks, budget, layers=32) == (plan, kept, pytest.approx(keep, abs=0.01))
+
+
+def test_layers_not_checkpointed_give_the_same_gradients(tiny_model):
+    """The last layers keep their activations, the others are recomputed: the gradients equal those of
+    checkpointing every layer and of checkpointing none (the tiny model, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.fast.model_changes import checkpoint_some_layers
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (2, 24))
+    grads, flags = [], []
+    for n in (None, 0, 1):  # no checkpointing, every layer, all but the last
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).train()
+        if n is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert checkpoint_some_layers(model, n) == model.config.num_hidden_layers
+        flags.append([layer.gradient_checkpointing for layer in model.model.layers])
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert flags[1] == [True] * len(flags[1]) and flags[2] == [True] * (len(flags[2]) - 1) + [False]
+    for other in grads[1:]:
+        for g, h in zip(grads[0], other):
+            torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
 
 
 def test_on_the_cpu_and_as_set_the_levers_stay_as_written():
@@ -95,5 +120,7 @@ def test_grpo_counts_its_rollout_cache_where_it_outweighs_the_update():
     assert cache == 2 * c.num_hidden_layers * 256 * c.num_key_value_heads * head_dim * 120 * 2
     peaks = memory_plan.estimates(config, model, allocated=0)
     assert peaks["offload_all"] * 2 ** 30 >= cache  # the rollout's cache outweighs one premise's update here
+    assert memory_plan.update_logits_bytes(config, model) == 8 * 4 * 20 * c.vocab_size  # fp32 and its gradient
+    assert memory_plan.update_logits_bytes(SFTStageConfig(pairs_run="p"), model) == 0
     config.rollout_backend = "hf"
     assert memory_plan.rollout_bytes(config, model) == (0, 0)

@@ -3,21 +3,24 @@
 Each lever trades time for memory (docs/performance.md, "Which lever for which memory"). From the
 fastest:
 
-| plan | gradient_checkpointing | offload_activations | what stays on the GPU |
-| --- | --- | --- | --- |
-| keep_all | false | false | every layer's saved activations |
-| checkpoint | true | false | each layer's input; one layer's activations while it is recomputed |
-| offload | true | true, keeping what fits | `offload_keep_gib` of the inputs; the rest in pinned CPU memory |
-| offload_all | true | true, keeping none | one layer's activations |
+| plan | gradient_checkpointing | layers_not_checkpointed | offload_activations | on the GPU |
+| --- | --- | --- | --- | --- |
+| keep_all | false | | false | every layer's saved activations |
+| checkpoint_some | true | as many as fit | false | those layers' activations, the other layers' inputs |
+| checkpoint | true | 0 | false | each layer's input; one layer's activations while it is recomputed |
+| offload | true | 0 | true, keeping what fits | `offload_keep_gib` of the inputs; the rest in pinned CPU memory |
+| offload_all | true | 0 | true, keeping none | one layer's activations |
 
 The plan is the first whose estimated peak fits the budget (`memory_budget_gib`, or 90% of the GPU's
 memory). If none fits, `offload_all` is taken and the log says by how much it is over. The estimate:
 what is allocated once the model is loaded, plus the LoRA's gradients and AdamW's two moments, plus the
 activations of the run's largest micro-batch (`micro_batch_tokens`) at bytes a token from the model's
-shape (`activation_bytes`), times `SAFETY` (the allocator's slack and the transients not counted).
-GRPO adds its rollouts: bf16 copies of the base with `rollout_weights: bf16`, and the static
-decoder's KV cache where it is larger than the update's activations (a rollout ends before the update). The run's manifest records the plan and its estimates, and its metrics the
-measured peak of every step (`gpu_memory_per_step`), so each run checks its own estimate.
+shape (`activation_bytes`) scaled to what the bench measured, times `SAFETY`. GRPO adds the fp32 logits
+of its update's completion tokens and their gradient, and its rollouts:
+bf16 copies of the base with `rollout_weights: bf16`, and the static decoder's KV cache where it is
+larger than the update's activations (a rollout ends before the update). The run's manifest records the
+plan and its estimates, and its metrics the measured peak of every step (`gpu_memory_per_step`), so each
+run checks its own estimate.
 
 On a CPU, or with `memory_levers: as_set`, the levers stay as the config sets them.
 """
@@ -30,12 +33,14 @@ import torch
 log = logging.getLogger("pipeline")
 GIB = 2 ** 30
 SAFETY = 1.1  # the activations' estimate times this: the allocator's slack
-# One layer's activations while it is recomputed, with the gradients that backward carries through it: the
-# layers' worth that checkpointed runs held beside the kept inputs (1.3) and with every input offloaded (1.6),
-# measured at 20,480 tokens on the 8B shape (bench/RESULTS.md, "memory_levers fit").
-RECOMPUTED_LAYERS = {"checkpoint": 1.3, "offload_all": 1.6}
 BUDGET_SHARE = 0.9  # memory_budget_gib 0: this share of the GPU's memory
-PLANS = ("keep_all", "checkpoint", "offload", "offload_all")
+# Measured on the 8B shape (bench/RESULTS.md, "memory_levers fit"), in units of `activation_bytes`' layer:
+# a layer that keeps its activations held up to 1.45 of them (20,480 tokens in one sequence, cuDNN attention;
+# shorter real-length batches held less); while a checkpointed layer is recomputed, its activations and the
+# gradients backward carries through it held 1.3 beside the kept inputs, and 1.75 with every input offloaded.
+KEPT_LAYER = 1.45
+RECOMPUTED_LAYER = {"checkpoint": 1.3, "offload_all": 1.75}
+PLANS = ("keep_all", "checkpoint_some", "checkpoint", "offload", "offload_all")
 
 
 def activation_bytes(model_config) -> tuple[int, int]:
@@ -88,8 +93,19 @@ def rollout_bytes(config, model) -> tuple[int, int]:
     return copies, cache
 
 
-def estimates(config, model, allocated: int) -> dict[str, float]:
-    """The estimated peak (GiB) of each plan; `allocated`: bytes on the GPU with the model loaded."""
+def update_logits_bytes(config, model) -> int:
+    """GRPO's update: the fp32 logits of a micro-batch's completion tokens, from which TRL takes log-probs
+    and entropies, and their gradient (its checkpointed update held that much beside the layers' share,
+    bench/RESULTS.md; the other stages' heads stayed small in the bench's peaks)."""
+    if type(config).__name__ != "GRPOStageConfig":
+        return 0
+    from common.model import unwrap_peft
+    return 8 * config.per_device_train_batch_size * config.max_completion_length * unwrap_peft(model).config.vocab_size
+
+
+def estimates(config, model, allocated: int) -> dict:
+    """The estimated peak (GiB) of each plan, and the GiB each layer that is not checkpointed adds
+    (`per_kept_layer`); `allocated`: bytes on the GPU with the model loaded."""
     from common.model import unwrap_peft
     layers = unwrap_peft(model).config.num_hidden_layers
     layer, layer_input = activation_bytes(unwrap_peft(model).config)
@@ -97,50 +113,57 @@ def estimates(config, model, allocated: int) -> dict[str, float]:
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     copies, cache = rollout_bytes(config, model)
     fixed = allocated + trainable * 3 + copies  # the LoRA's gradients and AdamW's two moments
-    checkpoint = layers * layer_input + RECOMPUTED_LAYERS["checkpoint"] * layer
-    kept = {"keep_all": layers * layer, "checkpoint": checkpoint,
-            "offload_all": min(RECOMPUTED_LAYERS["offload_all"] * layer, checkpoint)}  # few layers: nothing to gain
-    return {plan: (fixed + max(cache, SAFETY * tokens * per_token)) / GIB for plan, per_token in kept.items()}
+    head = update_logits_bytes(config, model)
+    checkpoint = layers * layer_input + RECOMPUTED_LAYER["checkpoint"] * layer
+    kept = {"keep_all": layers * KEPT_LAYER * layer, "checkpoint": checkpoint,
+            "offload_all": min(RECOMPUTED_LAYER["offload_all"] * layer, checkpoint)}  # few layers: nothing to gain
+    peaks = {plan: (fixed + max(cache, SAFETY * tokens * per_token + head)) / GIB for plan, per_token in kept.items()}
+    return {**peaks, "per_kept_layer": SAFETY * tokens * (KEPT_LAYER * layer - layer_input) / GIB}
 
 
 def budget_gib(config, device) -> float:
     return config.memory_budget_gib or BUDGET_SHARE * torch.cuda.get_device_properties(device).total_memory / GIB
 
 
-def choose(peaks: dict[str, float], budget: float) -> tuple[str, float]:
-    """The fastest plan whose estimated peak fits `budget` (GiB), and the GiB of saved layer inputs it keeps on
-    the GPU (the offload plans)."""
+def choose(peaks: dict, budget: float, layers: int) -> tuple[str, int, float]:
+    """The fastest plan whose estimated peak fits `budget` (GiB): (plan, the layers that keep their activations,
+    the GiB of saved layer inputs kept on the GPU by the offload plans)."""
     if peaks["keep_all"] <= budget:
-        return "keep_all", 0.0
+        return "keep_all", layers, 0.0
     if peaks["checkpoint"] <= budget:
-        return "checkpoint", 0.0
+        kept = min(layers - 1, int((budget - peaks["checkpoint"]) / peaks["per_kept_layer"]))
+        return ("checkpoint_some", kept, 0.0) if kept > 0 else ("checkpoint", 0, 0.0)
     keep = round((budget - peaks["offload_all"]) / SAFETY, 2)  # the room above offload_all's peak, for inputs
-    return ("offload", keep) if keep > 0 else ("offload_all", 0.0)
+    return ("offload", 0, keep) if keep > 0 else ("offload_all", 0, 0.0)
 
 
 def fit(config, model) -> dict:
-    """Set `config`'s gradient_checkpointing, offload_activations and offload_keep_gib to the fastest plan
-    that fits the GPU's budget (with `memory_levers: fit` on a GPU); returns what was decided, for the
-    run's manifest (`memory_plan`)."""
+    """Set `config`'s gradient_checkpointing, layers_not_checkpointed, offload_activations and offload_keep_gib
+    to the fastest plan that fits the GPU's budget (with `memory_levers: fit` on a GPU); returns what was
+    decided, for the run's manifest (`memory_plan`)."""
+    from common.model import unwrap_peft
     if getattr(config, "memory_levers", "as_set") != "fit":
         return {"levers": "as_set"}
     if not torch.cuda.is_available():
         return {"levers": "as_set", "why": "memory_levers fit plans for a GPU; on the CPU the levers stay as written"}
     budget = budget_gib(config, next(model.parameters()).device)
     peaks = estimates(config, model, torch.cuda.memory_allocated())
-    plan, keep = choose(peaks, budget)
+    plan, kept, keep = choose(peaks, budget, unwrap_peft(model).config.num_hidden_layers)
     config.gradient_checkpointing = plan != "keep_all"
+    config.layers_not_checkpointed = kept if plan == "checkpoint_some" else 0
     config.offload_activations = plan in ("offload", "offload_all")
     config.offload_keep_gib = keep
     peaks = {name: round(gib, 2) for name, gib in peaks.items()}
     decided = {"levers": "fit", "plan": plan, "budget_gib": round(budget, 2), "estimated_peak_gib": peaks,
                "micro_batch_tokens": micro_batch_tokens(config), "gradient_checkpointing": config.gradient_checkpointing,
+               "layers_not_checkpointed": config.layers_not_checkpointed,
                "offload_activations": config.offload_activations, "offload_keep_gib": keep}
     if plan == "offload_all" and peaks["offload_all"] > budget:
         log.warning("memory plan: even offloading every saved input is estimated at %.1f GiB, over the %.1f GiB "
                     "budget; lower max_tokens_per_batch or max_length, or set mlp_chunk_tokens", peaks["offload_all"],
                     budget)
-    log.info("memory plan: %s (gradient_checkpointing %s, offload_activations %s, keep %.2f GiB) for %d-token "
-             "micro-batches within %.1f GiB; estimated peaks %s", plan, config.gradient_checkpointing,
-             config.offload_activations, keep, decided["micro_batch_tokens"], budget, peaks)
+    log.info("memory plan: %s (gradient_checkpointing %s, %d layers not checkpointed, offload_activations %s, "
+             "keep %.2f GiB) for %d-token micro-batches within %.1f GiB; estimated peaks %s", plan,
+             config.gradient_checkpointing, config.layers_not_checkpointed, config.offload_activations, keep,
+             decided["micro_batch_tokens"], budget, peaks)
     return decided

@@ -20,6 +20,7 @@ trainer's data behind the config's back.
 | add_length_column | group_by_length, preference data | a `length` column for the length-grouped sampler |
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (token_budget.py) |
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
+| layers_not_checkpointed | gradient_checkpointing and layers_not_checkpointed > 0 | the last layers keep their activations, the others are checkpointed (`CheckpointSomeLayers`) |
 | offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE (the RoPE through `batch_folded_rope`) |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
@@ -30,6 +31,7 @@ import logging
 import weakref
 
 import torch
+from transformers import TrainerCallback
 
 from common import trl_compat
 from common.config import DPOStageConfig, TrainArgs
@@ -67,6 +69,9 @@ def apply(trainer, config: TrainArgs) -> list[str]:
         if token_budget.is_pairwise(trainer):  # TRL's reward and DPO losses: a mean per micro-batch
             token_budget.weigh_pairs_per_step(trainer)
             applied.append("weigh_pairs_per_step")
+    if config.gradient_checkpointing and config.layers_not_checkpointed:
+        trainer.add_callback(CheckpointSomeLayers(config.layers_not_checkpointed))
+        applied.append("layers_not_checkpointed")
     if config.offload_activations:
         offload_saved_activations(trainer.model, int(config.offload_keep_gib * 2 ** 30))
         applied.append("offload_saved_activations")
@@ -190,6 +195,27 @@ def chunk_mlps(model, tokens: int) -> None:
             return torch.cat([checkpoint(forward, part, use_reentrant=False) for part in x.split(tokens, dim=1)],
                              dim=1)
         layer.mlp.forward = chunked
+
+
+class CheckpointSomeLayers(TrainerCallback):
+    """`layers_not_checkpointed`: the Trainer turns checkpointing on for every decoder layer as training
+    begins; then the last `n` keep their activations (no recompute in backward), the others stay
+    checkpointed. Same gradients as either way (tests/test_memory_plan.py), less recompute for more memory."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        checkpoint_some_layers(model, self.n)
+
+
+def checkpoint_some_layers(model, n: int) -> int:
+    """Checkpointing off for the last `n` of `model`'s checkpointable decoder layers; returns how many there are."""
+    from transformers.modeling_layers import GradientCheckpointingLayer  # internal: common/trl_compat.py
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers[max(len(layers) - n, 0):]:
+        layer.gradient_checkpointing = False
+    return len(layers)
 
 
 def unmask_right_padding(model) -> bool:
