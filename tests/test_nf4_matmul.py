@@ -97,10 +97,11 @@ def test_knobs_match_bitsandbytes(nf4, block_k, split_k, pair_lut, two_dots):
 
 @pytest.mark.parametrize("m,blocksize,block_k,split_k,pair_lut,two_dots,block_n",
                          [(3, 128, 256, 2, True, True, 32), (3, 128, 128, 4, True, False, 64),
-                          (130, 64, 256, 2, True, True, 64), (64, 64, 512, 1, False, True, 128),
+                          (130, 64, 256, 2, True, True, 64), (64, 64, 128, 1, False, True, 128),
                           (17, 64, 128, 4, True, False, 32)])
 def test_knobs_fp16_blocksize_and_m_tiles(nf4, m, blocksize, block_k, split_k, pair_lut, two_dots, block_n):
-    """The knobs with fp16 x, blocksize 128 (two quant blocks a 256 tile), M past 128, and other BLOCK_N; an
+    """The knobs with fp16 x, blocksize 128 (two quant blocks a 256 tile), M past 128, and other BLOCK_N (each tile
+    within an H200's shared memory: BLOCK_K 512 with BLOCK_N 128 is not); an
     uneven split (K=1024 in 128-column tiles: 8 in 4 splits; 2 in 4 becomes 2 splits)."""
     n, k = 96, 1024 if block_k == 128 and blocksize == 64 else 512
     packed, absmax, qs = quantized(n, k, blocksize=blocksize, seed=8)

@@ -10,6 +10,7 @@ rejected replies reach it through `common/generation.py`, GRPO through `grpo_rol
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -179,12 +180,20 @@ def _pick(logits, temperature, repetition_penalty, seen):
     return nxt
 
 
+@functools.lru_cache(maxsize=None)
+def _warmup_stream(device: int):
+    """One side stream a GPU for every capture's warm-up step: cuBLAS keeps a workspace (32 MiB on Hopper) for
+    each stream it has run on, for the process's life, so a new stream at every decode grew memory by 32 MiB a
+    GRPO step (bench/RESULTS.md)."""
+    return torch.cuda.Stream(device)
+
+
 def _capture(step, state):
     """Capture one decode step as a CUDA graph. The warm-up step (needed before capture) changes the
     state, so the state is restored after it; on any failure the caller runs the steps eagerly."""
     saved = [t.clone() for t in state]
     try:
-        stream = torch.cuda.Stream()
+        stream = _warmup_stream(torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             step()
