@@ -30,6 +30,9 @@ import logging
 
 import torch
 
+from common.config import DPOStageConfig, GRPOStageConfig, RewardStageConfig
+from common.model import unwrap_peft
+
 log = logging.getLogger("pipeline")
 GIB = 2 ** 30
 SAFETY = 1.1  # the activations' estimate times this: the allocator's slack
@@ -60,8 +63,7 @@ def activation_bytes(model_config) -> tuple[int, int]:
 
 def micro_batch_tokens(config) -> int:
     """The tokens of the run's largest training micro-batch, as its stage lays it out."""
-    stage = type(config).__name__
-    if stage == "GRPOStageConfig":
+    if isinstance(config, GRPOStageConfig):
         premises = max(1, config.per_device_train_batch_size // config.num_generations)
         if config.group_in_one_sequence:  # a premise once, its replies as branches
             return premises * (config.max_prompt_tokens + config.num_generations * config.max_completion_length)
@@ -69,9 +71,9 @@ def micro_batch_tokens(config) -> int:
     if config.max_tokens_per_batch:  # the budget counts every row (reward: both replies; DPO: its layout)
         return config.max_tokens_per_batch
     rows = config.per_device_train_batch_size
-    if stage == "DPOStageConfig" and config.pair_in_one_sequence:  # prompt, chosen reply, rejected reply
+    if isinstance(config, DPOStageConfig) and config.pair_in_one_sequence:  # prompt, chosen reply, rejected reply
         return rows * (2 * config.max_length - config.max_prompt_tokens)
-    if stage in ("RewardStageConfig", "DPOStageConfig"):
+    if isinstance(config, (RewardStageConfig, DPOStageConfig)):
         rows *= 2  # chosen and rejected rows
     return rows * config.max_length
 
@@ -79,9 +81,8 @@ def micro_batch_tokens(config) -> int:
 def rollout_bytes(config, model) -> tuple[int, int]:
     """GRPO's rollouts: (what they keep for the run, bf16 copies of the base with `rollout_weights: bf16`;
     what a rollout holds while it runs, the static decoder's KV cache, freed before the update)."""
-    if type(config).__name__ != "GRPOStageConfig" or config.rollout_backend != "static":
+    if not isinstance(config, GRPOStageConfig) or config.rollout_backend != "static":
         return 0, 0
-    from common.model import unwrap_peft
     lm_config = unwrap_peft(model).config
     heads = lm_config.num_attention_heads
     head_dim = getattr(lm_config, "head_dim", lm_config.hidden_size // heads)
@@ -97,16 +98,14 @@ def update_logits_bytes(config, model) -> int:
     """GRPO's update: the fp32 logits of a micro-batch's completion tokens, from which TRL takes log-probs
     and entropies, and their gradient (its checkpointed update held that much beside the layers' share,
     bench/RESULTS.md; the other stages' heads stayed small in the bench's peaks)."""
-    if type(config).__name__ != "GRPOStageConfig":
+    if not isinstance(config, GRPOStageConfig):
         return 0
-    from common.model import unwrap_peft
     return 8 * config.per_device_train_batch_size * config.max_completion_length * unwrap_peft(model).config.vocab_size
 
 
 def estimates(config, model, allocated: int) -> dict:
     """The estimated peak (GiB) of each plan, and the GiB each layer that is not checkpointed adds
     (`per_kept_layer`); `allocated`: bytes on the GPU with the model loaded."""
-    from common.model import unwrap_peft
     layers = unwrap_peft(model).config.num_hidden_layers
     layer, layer_input = activation_bytes(unwrap_peft(model).config)
     tokens = micro_batch_tokens(config)
@@ -141,7 +140,6 @@ def fit(config, model) -> dict:
     """Set `config`'s gradient_checkpointing, layers_not_checkpointed, offload_activations and offload_keep_gib
     to the fastest plan that fits the GPU's budget (with `memory_levers: fit` on a GPU); returns what was
     decided, for the run's manifest (`memory_plan`)."""
-    from common.model import unwrap_peft
     if getattr(config, "memory_levers", "as_set") != "fit":
         return {"levers": "as_set"}
     if not torch.cuda.is_available():
