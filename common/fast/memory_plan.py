@@ -1,6 +1,6 @@
 """`memory_levers: fit`: which activation-memory levers a training run takes, from the GPU's memory.
 
-Each lever trades time for memory (docs/performance.md, "Which lever for which memory"). From the
+Each lever trades time for memory (docs/performance.md, "Levers chosen by the GPU's memory"). From the
 fastest:
 
 | plan | gradient_checkpointing | layers_not_checkpointed | offload_activations | on the GPU |
@@ -37,13 +37,12 @@ log = logging.getLogger("pipeline")
 GIB = 2 ** 30
 SAFETY = 1.1  # the activations' estimate times this: the allocator's slack
 BUDGET_SHARE = 0.9  # memory_budget_gib 0: this share of the GPU's memory
-# Measured on the 8B shape (bench/RESULTS.md, "memory_levers fit"), in units of `activation_bytes`' layer:
+# Measured on the 8B shape (bench/RESULTS.md, "levers chosen by the GPU's memory"), in units of `activation_bytes`' layer:
 # a layer that keeps its activations held up to 1.45 of them (20,480 tokens in one sequence, cuDNN attention;
 # shorter real-length batches held less); while a checkpointed layer is recomputed, its activations and the
 # gradients backward carries through it held 1.3 beside the kept inputs, and 1.75 with every input offloaded.
 KEPT_LAYER = 1.45
 RECOMPUTED_LAYER = {"checkpoint": 1.3, "offload_all": 1.75}
-PLANS = ("keep_all", "checkpoint_some", "checkpoint", "offload", "offload_all")
 
 
 def activation_bytes(model_config) -> tuple[int, int]:
@@ -56,7 +55,8 @@ def activation_bytes(model_config) -> tuple[int, int]:
     (the down projection's input): 3 x intermediate. The frozen 4-bit base weights need no input saved."""
     hidden = model_config.hidden_size
     heads = model_config.num_attention_heads
-    kv_width = getattr(model_config, "num_key_value_heads", heads) * getattr(model_config, "head_dim", hidden // heads)
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    kv_width = (getattr(model_config, "num_key_value_heads", None) or heads) * head_dim
     layer = 2 * (7 * hidden + 2 * kv_width + 3 * model_config.intermediate_size)
     return layer, 2 * hidden
 
@@ -85,7 +85,7 @@ def rollout_bytes(config, model) -> tuple[int, int]:
         return 0, 0
     lm_config = unwrap_peft(model).config
     heads = lm_config.num_attention_heads
-    head_dim = getattr(lm_config, "head_dim", lm_config.hidden_size // heads)
+    head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads
     cache = (2 * lm_config.num_hidden_layers * config.rollout_batch_size * lm_config.num_key_value_heads
              * head_dim * (config.max_prompt_tokens + config.max_completion_length) * 2)
     copies = 0
