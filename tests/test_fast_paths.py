@@ -52,7 +52,7 @@ def runs(tiny_model, pairs_run, tmp_path_factory) -> dict:
     made = {}
     for fast in ("true", "false"):
         made[f"sft_{fast}"] = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml",
-                                                   *common, "--fast_paths", fast))
+                                                   *common, "--fast_paths", fast, "--memory_levers", "fit"))
         # fast: the reward model padding-free, a pair's replies sharing their prompt; plain: TRL's rows
         made[f"reward_{fast}"] = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
                                                       *common, "--padding_free", "true", "--fast_paths", fast))
@@ -97,6 +97,19 @@ def test_manifests_name_the_backends(runs):
     assert evaluation["decoder"] == "static" and set(evaluation["judge_scoring"].values()) == {"packed"}
     assert evaluation["decoder_fallbacks"] == []
     assert all((runs[f"{stage}_{fast}"] / "DONE").is_file() for stage in ("grpo", "eval") for fast in ("true", "false"))
+
+
+def test_manifests_say_which_memory_levers_ran(runs):
+    """memory_levers fit plans on a GPU and says so; on the CPU the levers stay as written, with the reason; plain
+    paths never plan (fast_paths false sets memory_levers as_set)."""
+    def plan(run):
+        return json.loads((run / "manifest.json").read_text())["memory_plan"]
+    fit = plan(runs["sft_true"])
+    if torch.cuda.is_available():
+        assert fit["levers"] == "fit" and fit["plan"] and fit["estimated_peak_gib"]["keep_all"] > 0
+    else:
+        assert fit["levers"] == "as_set" and "CPU" in fit["why"]
+    assert all(plan(runs[f"{stage}_false"]) == {"levers": "as_set"} for stage in ("sft", "reward", "dpo", "grpo"))
 
 
 @pytest.mark.parametrize("stage", ["grpo", "eval"])

@@ -12,7 +12,7 @@ fastest:
 | offload_all | true | 0 | true, keeping none | one layer's activations |
 
 The plan is the first whose estimated peak fits the budget (`memory_budget_gib`, or 90% of the GPU's
-memory). If none fits, `offload_all` is taken and the log says by how much it is over. The estimate:
+memory). If none fits, `offload_all` is taken and the log warns, with the estimate and the budget. The estimate:
 what is allocated once the model is loaded, plus the LoRA's gradients and AdamW's two moments, plus the
 activations of the run's largest micro-batch (`micro_batch_tokens`) at bytes a token from the model's
 shape (`activation_bytes`) scaled to what the bench measured, times `SAFETY`. GRPO adds the fp32 logits
@@ -37,10 +37,11 @@ log = logging.getLogger("pipeline")
 GIB = 2 ** 30
 SAFETY = 1.1  # the activations' estimate times this: the allocator's slack
 BUDGET_SHARE = 0.9  # memory_budget_gib 0: this share of the GPU's memory
-# Measured on the 8B shape (bench/RESULTS.md, "levers chosen by the GPU's memory"), in units of `activation_bytes`' layer:
-# a layer that keeps its activations held up to 1.45 of them (20,480 tokens in one sequence, cuDNN attention;
-# shorter real-length batches held less); while a checkpointed layer is recomputed, its activations and the
-# gradients backward carries through it held 1.3 beside the kept inputs, and 1.75 with every input offloaded.
+# Measured on the 8B shape (bench/RESULTS.md, "levers chosen by the GPU's memory"), in units of
+# `activation_bytes`' layer: a layer that keeps its activations held up to 1.45 of them (20,480 tokens in
+# one sequence, cuDNN attention; shorter real-length batches held less); while a checkpointed layer is
+# recomputed, its activations and the gradients backward carries through it held 1.3 beside the kept
+# inputs, and 1.75 with every input offloaded.
 KEPT_LAYER = 1.45
 RECOMPUTED_LAYER = {"checkpoint": 1.3, "offload_all": 1.75}
 
