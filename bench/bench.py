@@ -201,8 +201,13 @@ def mem_reset():
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib():
-    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
+def peak_gib(trained: dict | None = None):
+    """The peak of allocated memory since `mem_reset` (GiB; None without a GPU). A row trained through the
+    stages' `train()` passes its metrics: train() resets the counter at every step and keeps the run's peak
+    (`gpu_peak_gib`), so the row's peak is the larger of the two."""
+    if not torch.cuda.is_available():
+        return None
+    return max(torch.cuda.max_memory_allocated() / GIB, (trained or {}).get("gpu_peak_gib") or 0.0)
 
 
 def step_parts(step_seconds: list[float], timing: dict) -> dict:
@@ -321,13 +326,13 @@ def train_run(trainer, micro_per_step, pipeline, warmup_steps=1):
     mem_reset()
     sync()
     start = time.perf_counter()
-    stage_peak = None
+    trained = None
     if pipeline:  # through the stages' train(): its right-padding, offload and Liger settings apply
         from common.training import train
-        stage_peak = train(trainer, bench_run(Path(trainer.args.output_dir).parent))["gpu_peak_gib"]
+        trained = train(trainer, bench_run(Path(trainer.args.output_dir).parent))
     else:
         trainer.train()
-    peak = peak_gib() if stage_peak is None else max(peak_gib(), stage_peak)  # train() resets it every step
+    peak = peak_gib(trained)
     w = min(warmup_steps, len(clock.times) - 1)
     t0 = clock.times[w - 1] if w > 0 else start
     measured = tokens[w * micro_per_step: len(clock.times) * micro_per_step]
@@ -935,7 +940,7 @@ class Bench:
                      "reserved_at_step_end_gib": [m["reserved_gib"] for m in trained["gpu_memory_per_step"]],
                      "seconds_per_step_parts": step_parts(secs, timing), "patches": built.manifest.get("patches"),
                      "memory_plan": built.manifest.get("memory_plan"),
-                     "peak_gib": None if peak_gib() is None else max(peak_gib(), trained["gpu_peak_gib"] or 0)})
+                     "peak_gib": peak_gib(trained)})
         judge.score = score
         gen._capture = capture
         del trainer

@@ -1,4 +1,5 @@
-"""A fused NF4 matmul in Triton for the decode step (common/fast/decode_step.py); not run by the pipeline.
+"""A fused NF4 matmul in Triton for the decode step (common/fast/decode_step.py); not run by the pipeline:
+at every configuration swept on an H200 it was slower than dequantising + cuBLAS (bench/RESULTS.md).
 
 `nf4_linear`: out = x @ W^T (+ residual) with W dequantised in registers, never stored: one kernel (two with
 split-K). bench/bench_nf4_matmul.py times it against bitsandbytes' dequantise + cuBLAS, and sweeps its knobs.

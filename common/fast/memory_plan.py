@@ -145,8 +145,9 @@ def fit(config, model) -> dict:
         return {"levers": "as_set"}
     if not torch.cuda.is_available():
         return {"levers": "as_set", "why": "memory_levers fit plans for a GPU; on the CPU the levers stay as written"}
-    budget = budget_gib(config, next(model.parameters()).device)
-    peaks = estimates(config, model, torch.cuda.memory_allocated())
+    device = next(model.parameters()).device
+    budget = budget_gib(config, device)
+    peaks = estimates(config, model, torch.cuda.memory_allocated(device))
     plan, kept, keep = choose(peaks, budget, unwrap_peft(model).config.num_hidden_layers)
     config.gradient_checkpointing = plan != "keep_all"
     config.layers_not_checkpointed = kept if plan == "checkpoint_some" else 0
