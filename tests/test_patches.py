@@ -119,3 +119,27 @@ def test_partial_offload_keeps_its_budget_and_gives_the_same_gradients():
             value = loss()
         assert torch.equal(torch.autograd.grad(value, w)[0], plain), keep
         assert hooks.kept <= max(keep, 0) and (hooks.offloaded > 0) == (keep < 100 * one), (keep, hooks.kept)
+
+
+def _sines(x: torch.Tensor, layers: int) -> torch.Tensor:
+    """A chain whose every op saves one tensor, its input: backward takes them back in reverse order."""
+    for _ in range(layers):
+        x = torch.sin(x)
+    return x.sum()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="GPU-only: the copies on a side stream"))])
+def test_offload_copies_each_tensor_back_before_backward_needs_it(device):
+    """Taking one offloaded tensor back starts the copy of the one saved before it: every tensor but the
+    first taken back has arrived when backward asks, and the gradients are a plain backward's, bit for bit
+    (on a GPU the copies run on a side stream while the compute stream works)."""
+    from common.fast.model_changes import OffloadBeyond
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024, device=device, requires_grad=True)  # 2 MiB a saved input
+    plain = torch.autograd.grad(_sines(x, 8), x)[0]
+    hooks = OffloadBeyond(0)
+    with hooks:
+        value = _sines(x, 8)
+    assert torch.equal(torch.autograd.grad(value, x)[0], plain)
+    assert len(hooks.saved) == 8 and hooks.arrived_early == 7

@@ -27,6 +27,7 @@ trainer's data behind the config's back.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -267,22 +268,79 @@ def offload_saved_activations(model, keep_bytes: int = 0) -> None:
 class OffloadBeyond(torch.autograd.graph.saved_tensors_hooks):
     """Saved tensors stay where they are until `keep_bytes` are kept; later ones of a megabyte or more are
     copied to (pinned) CPU memory and back when backward needs them, as torch's `save_on_cpu` does with
-    every one (smaller ones are not worth a copy)."""
+    every one (smaller ones are not worth a copy). On a GPU the copies run on a side stream, so neither
+    direction stalls the compute: a copy out overlaps the rest of the forward, and when backward takes one
+    tensor back, the copy in of the one saved before it starts, to arrive while this one's layer is
+    recomputed (backward takes them back in the reverse order)."""
 
     def __init__(self, keep_bytes: int, min_bytes: int = 2 ** 20):
         self.kept = self.offloaded = 0
+        self.saved: list[Offloaded] = []  # in the order the forward saved them
+        self.arrived_early = 0  # tensors backward found already copied back
 
         def pack(tensor):
             size = tensor.numel() * tensor.element_size()
             if size < min_bytes or self.kept + size <= keep_bytes:
                 self.kept += size
                 return tensor
-            copy = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=tensor.is_cuda)
-            copy.copy_(tensor)
             self.offloaded += size
-            return tensor.device, copy
+            self.saved.append(Offloaded(tensor, len(self.saved)))
+            return self.saved[-1]
 
         def unpack(packed):
-            return packed[1].to(packed[0], non_blocking=True) if isinstance(packed, tuple) else packed
+            if not isinstance(packed, Offloaded):
+                return packed
+            self.arrived_early += packed.on_device is not None
+            tensor = packed.fetch()
+            if packed.index > 0:
+                self.saved[packed.index - 1].prefetch()
+            return tensor
 
         super().__init__(pack, unpack)
+
+
+class Offloaded:
+    """One saved tensor in CPU memory. On a GPU its copies run on one side stream, ordered against the
+    compute stream by waits, never by synchronising the host."""
+
+    def __init__(self, tensor: torch.Tensor, index: int):
+        self.index, self.device = index, tensor.device
+        self.stream = _copy_stream(tensor.device) if tensor.is_cuda else None
+        self.on_cpu = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=tensor.is_cuda)
+        self.on_device, self.arrived = None, None
+        if self.stream is None:
+            self.on_cpu.copy_(tensor)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is written
+        with torch.cuda.stream(self.stream):
+            self.on_cpu.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
+
+    def prefetch(self) -> None:
+        """Start the copy back (a plain copy on the CPU)."""
+        if self.on_device is not None:
+            return
+        if self.stream is None:
+            self.on_device = self.on_cpu.clone()
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.on_device = torch.empty_like(self.on_cpu, device=self.device)  # from the compute stream's memory
+        self.stream.wait_stream(compute)  # that memory is free for the side stream to write
+        with torch.cuda.stream(self.stream):
+            self.on_device.copy_(self.on_cpu, non_blocking=True)
+            self.arrived = torch.cuda.Event()
+            self.arrived.record(self.stream)
+
+    def fetch(self) -> torch.Tensor:
+        """The tensor back on its device, ready for the compute stream."""
+        self.prefetch()
+        if self.arrived is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.arrived)
+        tensor, self.on_device, self.arrived = self.on_device, None, None  # backward owns it now
+        return tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a GPU for the copies of offloaded activations."""
+    return torch.cuda.Stream(device)
