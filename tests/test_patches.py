@@ -142,4 +142,29 @@ def test_offload_copies_each_tensor_back_before_backward_needs_it(device):
     with hooks:
         value = _sines(x, 8)
     assert torch.equal(torch.autograd.grad(value, x)[0], plain)
-    assert len(hooks.saved) == 8 and hooks.arrived_early == 7
+    assert hooks.tensors_offloaded == 8 and hooks.arrived_early == 7
+
+
+def test_offloaded_copies_are_freed_by_backward_not_by_the_garbage_collector():
+    """The hooks object lives on in a reference cycle; the CPU copies must not: backward frees each one,
+    or every step would pin a new copy of every saved input."""
+    import gc
+    import weakref
+
+    from common.fast.model_changes import OffloadBeyond
+    x = torch.randn(512, 1024, requires_grad=True)
+    gc.disable()
+    try:
+        hooks = OffloadBeyond(0)
+        with hooks:
+            value = _sines(x, 4)
+            copies, item = [], hooks.last
+            while item is not None:
+                copies.append(weakref.ref(item))
+                item = item.before
+        assert len(copies) == 4 and all(c() is not None for c in copies)
+        torch.autograd.grad(value, x)
+        del value
+        assert [c() for c in copies] == [None] * 4
+    finally:
+        gc.enable()

@@ -275,8 +275,9 @@ class OffloadBeyond(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, keep_bytes: int, min_bytes: int = 2 ** 20):
         self.kept = self.offloaded = 0
-        self.saved: list[Offloaded] = []  # in the order the forward saved them
-        self.arrived_early = 0  # tensors backward found already copied back
+        self.tensors_offloaded = self.arrived_early = 0  # the second: tensors backward found copied back
+        self.last: Offloaded | None = None  # each links to the one saved before it, not a list: the hooks
+        # live on in a reference cycle until the garbage collector runs, and must not keep the copies alive
 
         def pack(tensor):
             size = tensor.numel() * tensor.element_size()
@@ -284,27 +285,32 @@ class OffloadBeyond(torch.autograd.graph.saved_tensors_hooks):
                 self.kept += size
                 return tensor
             self.offloaded += size
-            self.saved.append(Offloaded(tensor, len(self.saved)))
-            return self.saved[-1]
+            self.tensors_offloaded += 1
+            self.last = Offloaded(tensor, before=self.last)
+            return self.last
 
         def unpack(packed):
             if not isinstance(packed, Offloaded):
                 return packed
             self.arrived_early += packed.on_device is not None
             tensor = packed.fetch()
-            if packed.index > 0:
-                self.saved[packed.index - 1].prefetch()
+            if packed.before is not None:
+                packed.before.prefetch()
             return tensor
 
         super().__init__(pack, unpack)
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.last = None  # from here the autograd graph alone holds the copies
 
 
 class Offloaded:
     """One saved tensor in CPU memory. On a GPU its copies run on one side stream, ordered against the
     compute stream by waits, never by synchronising the host."""
 
-    def __init__(self, tensor: torch.Tensor, index: int):
-        self.index, self.device = index, tensor.device
+    def __init__(self, tensor: torch.Tensor, before: Offloaded | None):
+        self.before, self.device = before, tensor.device
         self.stream = _copy_stream(tensor.device) if tensor.is_cuda else None
         self.on_cpu = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=tensor.is_cuda)
         self.on_device, self.arrived = None, None
