@@ -21,7 +21,7 @@ trainer's data behind the config's back.
 | batch_by_tokens | max_tokens_per_batch > 0 | micro-batches filled to a token budget, length-grouped (token_budget.py) |
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
 | layers_not_checkpointed | gradient_checkpointing and layers_not_checkpointed > 0 | the last layers keep their activations, the others are checkpointed (`CheckpointSomeLayers`) |
-| offload_saved_activations | offload_activations | saved activations in pinned CPU memory |
+| offload_saved_activations | offload_activations | saved activations in pinned CPU memory, copied on a side stream and back ahead of backward |
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE (the RoPE through `batch_folded_rope`) |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
 """
