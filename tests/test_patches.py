@@ -101,7 +101,7 @@ def test_gpu_batch_folded_liger_rope_equals_hf_rope():
 def test_partial_offload_keeps_its_budget_and_gives_the_same_gradients():
     """offload_keep_gib: saved tensors stay until the budget is kept, the rest go to CPU memory and come
     back for backward; the gradients are those of a plain backward, bit for bit."""
-    from common.fast.model_changes import OffloadBeyond
+    from common.fast.offload import OffloadBeyond
     torch.manual_seed(0)
     w = torch.randn(64, 64, requires_grad=True)
     x = torch.randn(32, 64)
@@ -134,7 +134,7 @@ def test_offload_copies_each_tensor_back_before_backward_needs_it(device):
     """Taking one offloaded tensor back starts the copy of the one saved before it: every tensor but the
     first taken back has arrived when backward asks, and the gradients are a plain backward's, bit for bit
     (on a GPU the copies run on a side stream while the compute stream works)."""
-    from common.fast.model_changes import OffloadBeyond
+    from common.fast.offload import OffloadBeyond
     torch.manual_seed(0)
     x = torch.randn(512, 1024, device=device, requires_grad=True)  # 2 MiB a saved input
     plain = torch.autograd.grad(_sines(x, 8), x)[0]
@@ -151,7 +151,7 @@ def test_offloaded_copies_are_freed_by_backward_not_by_the_garbage_collector():
     import gc
     import weakref
 
-    from common.fast.model_changes import OffloadBeyond
+    from common.fast.offload import OffloadBeyond
     x = torch.randn(512, 1024, requires_grad=True)
     gc.disable()
     try:
@@ -168,3 +168,57 @@ def test_offloaded_copies_are_freed_by_backward_not_by_the_garbage_collector():
         assert [c() for c in copies] == [None] * 4
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="GPU-only: the flash and cuDNN kernels' records"))])
+def test_kept_attention_outputs_give_the_checkpointed_gradients_without_running_attention_again(tiny_model, device):
+    """keep_attention_outputs: each layer's recomputation gets its attention kernel's outputs from the forward's
+    record (one replay a layer, no attention kernel run in backward) and the gradients are those of plain
+    reentrant checkpointing with offloading, bit for bit (the tiny model, float32, SDPA; in bf16 on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from common.fast.kept_attention import ATTENTION_KERNELS, keep_attention_outputs
+    from common.fast.offload import OffloadBeyond
+
+    class CountKernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.runs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.runs += func in ATTENTION_KERNELS
+            return func(*args, **(kwargs or {}))
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (2, 64), device=device)
+    grads, runs_in_backward = [], []
+    for keep in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=dtype, attn_implementation="sdpa")
+        model.to(device).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+        kept = keep and keep_attention_outputs(model)
+        with OffloadBeyond(0, min_bytes=0):
+            loss = model(input_ids=ids, labels=ids).loss
+        with CountKernels() as counter:
+            loss.backward()
+        runs_in_backward.append(counter.runs)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    layers = model.config.num_hidden_layers
+    assert kept == layers and runs_in_backward == [layers, 0]
+    assert sum(layer._gradient_checkpointing_func.replayed for layer in model.model.layers) == layers
+    for g, h in zip(*grads, strict=True):
+        assert torch.equal(g, h)
+
+
+def test_an_offloaded_tensor_comes_back_equal_and_a_dense_one_with_its_strides():
+    from common.fast.offload import Offloaded
+    base = torch.randn(2, 3, 4, 5)
+    for tensor, dense in ((base.permute(0, 2, 1, 3), True), (base.transpose(1, 3), True), (base[:, :2], False),
+                          (torch.randn(4, 1).expand(4, 3), False)):
+        back = Offloaded(tensor, before=None).fetch()
+        assert torch.equal(back, tensor)
+        assert back.stride() == tensor.stride() if dense else back.is_contiguous()
