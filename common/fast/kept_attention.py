@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
+from common import trl_compat
 from common.fast.offload import Offloaded
 
 aten = torch.ops.aten
@@ -26,6 +27,10 @@ ATTENTION_KERNELS = {aten._scaled_dot_product_flash_attention.default,
                      aten._scaled_dot_product_cudnn_attention.default,
                      aten._scaled_dot_product_efficient_attention.default,
                      aten._scaled_dot_product_flash_attention_for_cpu.default}
+# Kernels that compute the log-sum-exp backward needs only when asked (argument 4, `compute_log_sumexp`): SDPA
+# does not ask in a forward without grad, as a reentrant checkpoint's first forward is.
+ASKED_FOR_LOG_SUMEXP = {aten._scaled_dot_product_cudnn_attention.default,
+                        aten._scaled_dot_product_efficient_attention.default}
 
 
 class KeepAttentionOutputs(TrainerCallback):
@@ -106,10 +111,12 @@ class KeepingAttention:
 
     def within(self, forward):
         """`forward` (the attention module's) under the record of the pass that is running, if any."""
+        module = forward.__self__
+
         @functools.wraps(forward)
         def run(*args, **kwargs):
-            if self.record is None or self.whole_layer:
-                return forward(*args, **kwargs)
+            if self.record is None or self.whole_layer or trl_compat.attn_implementation(module) != "sdpa":
+                return forward(*args, **kwargs)  # FlexAttention's operator runs under torch.compile, not a mode
             with RecordOrReplay(self.record, self.replaying):
                 return forward(*args, **kwargs)
         return run
@@ -151,6 +158,8 @@ class RecordOrReplay(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if self.replaying:
             return self.record.replay(func)
+        if func in ASKED_FOR_LOG_SUMEXP:
+            args = (*args[:4], True, *args[5:])
         outputs = func(*args, **(kwargs or {}))
         self.record.outputs.append((func, tuple(_offload(value) for value in outputs)))
         return outputs

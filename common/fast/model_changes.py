@@ -22,7 +22,7 @@ trainer's data behind the config's back.
 | weigh_pairs_per_step | max_tokens_per_batch > 0, reward or DPO | every pair of an optimiser step weighs the same, whatever its micro-batch |
 | layers_not_checkpointed | gradient_checkpointing and layers_not_checkpointed > 0 | the last layers keep their activations, the others are checkpointed (`CheckpointSomeLayers`) |
 | offload_saved_activations | offload_activations | saved activations in pinned CPU memory, copied on a side stream and back ahead of backward (offload.py) |
-| keep_attention_outputs | offload_activations, gradient_checkpointing and keep_attention_outputs | each checkpointed layer's attention outputs go to CPU memory with its input, and its recomputation gets them back instead of running attention again (kept_attention.py) |
+| keep_attention_outputs | offload_activations, gradient_checkpointing and keep_attention_outputs, SDPA | each checkpointed layer's attention outputs go to CPU memory with its input, and its recomputation gets them back instead of running attention again (kept_attention.py) |
 | apply_liger_kernels | liger_kernel, on a GPU | Liger's Triton RMSNorm, SwiGLU and RoPE (the RoPE through `batch_folded_rope`) |
 | chunk_mlps | mlp_chunk_tokens > 0 | MLPs over the sequence in checkpointed pieces |
 """
@@ -78,7 +78,8 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if config.offload_activations:
         offload_saved_activations(trainer.model, int(config.offload_keep_gib * 2 ** 30))
         applied.append("offload_saved_activations")
-        if config.gradient_checkpointing and config.keep_attention_outputs:
+        if config.gradient_checkpointing and config.keep_attention_outputs \
+                and trl_compat.attn_implementation(unwrap_peft(trainer.model)) == "sdpa":  # not FlexAttention's
             trainer.add_callback(KeepAttentionOutputs())
             applied.append("keep_attention_outputs")
     if config.liger_kernel and torch.cuda.is_available() and apply_liger_kernels(trainer):  # Triton: GPUs only
