@@ -86,8 +86,8 @@ REVIEW_SFT_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours_flash", {"cudnn_attention": False}),
                        # memory_levers fit within a smaller GPU's budget
                        ("llama31-8b", "ours_fit_12gib", {"memory_budget_gib": 12.0}),
-                       ("llama31-8b", "ours_fit_12gib_attention_recomputed",
-                        {"memory_budget_gib": 12.0, "keep_attention_outputs": False}),
+                       ("llama31-8b", "ours_fit_12gib_attention_kept",
+                        {"memory_budget_gib": 12.0, "keep_attention_outputs": True}),
                        ("llama31-8b", "ours_fit_24gib", {"memory_budget_gib": 24.0})]
 REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama3-8b", "ours_sdpa", {"one_sequence_attention": "sdpa"}),
@@ -99,8 +99,8 @@ REVIEW_DPO_SETTINGS = [("llama3-8b", "ours", {}),
                        ("llama31-8b", "ours_keep_3gib", {"memory_levers": "as_set", "offload_keep_gib": 3.0}),
                        ("llama31-8b", "ours_no_levers", {"memory_levers": "as_set", "offload_activations": False}),
                        ("llama31-8b", "ours_fit_12gib", {"memory_budget_gib": 12.0}),
-                       ("llama31-8b", "ours_fit_12gib_attention_recomputed",
-                        {"memory_budget_gib": 12.0, "keep_attention_outputs": False}),
+                       ("llama31-8b", "ours_fit_12gib_attention_kept",
+                        {"memory_budget_gib": 12.0, "keep_attention_outputs": True}),
                        ("llama31-8b", "ours_fit_24gib", {"memory_budget_gib": 24.0})]
 REVIEW_DPO_TARGETS = {"llama3-8b": 12.0, "llama31-8b": 16.0}  # GiB: 7,168 and 19,456-token prompts
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

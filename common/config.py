@@ -136,9 +136,10 @@ class TrainArgs:
         "a few shapes that the GPU's allocator and kernels see again (bench/RESULTS.md); 0: to the longest", ge=0)
     offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
     keep_attention_outputs: bool = arg(
-        True, "offload_activations: each checkpointed layer's attention outputs go to CPU memory with its input, and "
-        "backward's recomputation gets them back instead of running attention again (same gradients; "
-        "common/fast/kept_attention.py); false: attention is recomputed")
+        False, "offload_activations: each checkpointed layer's attention outputs go to CPU memory with its input, "
+        "and backward's recomputation gets them back instead of running attention again (same gradients; "
+        "common/fast/kept_attention.py). Off by default: its peak is not in memory_levers' estimate "
+        "(docs/performance.md has what it measured)")
     offload_keep_gib: float = arg(
         0.0, "offload_activations: GiB of saved activations a forward keeps on the GPU before the rest go to CPU "
         "memory, so a GPU with room copies only what does not fit (the log says how much goes); 0: all go", ge=0)

@@ -239,22 +239,21 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     dpo_rows = {"review_dpo_896_trl", "review_dpo_2432_trl", "review_dpo_896_ours", "review_dpo_896_ours_offload",
                 "review_dpo_896_ours_precomputed_ref", "review_dpo_2432_ours",
                 "review_dpo_2432_ours_offload_all", "review_dpo_2432_ours_keep_3gib", "review_dpo_2432_ours_no_levers",
-                "review_dpo_2432_ours_fit_12gib", "review_dpo_2432_ours_fit_12gib_attention_recomputed",
+                "review_dpo_2432_ours_fit_12gib", "review_dpo_2432_ours_fit_12gib_attention_kept",
                 "review_dpo_2432_ours_fit_24gib"}  # the flex rows: GPU only
     sft_levers = {f"review_sft_20480_{s}" for s in ("ours_offload_all", "ours_keep_3gib", "ours_no_offload", "ours_chunks",
-                                                    "ours_flash", "ours_fit_12gib", "ours_fit_12gib_attention_recomputed",
+                                                    "ours_flash", "ours_fit_12gib", "ours_fit_12gib_attention_kept",
                                                     "ours_fit_24gib")}
     assert set(rows) == {"review_sft_8192_trl", "review_sft_20480_trl", "review_gen_b1", "review_gen_b2",
                          "review_gen_b4", "review_sft_8192_ours", "review_sft_20480_ours"} | dpo_rows | sft_levers
     levers = rows["review_sft_20480_ours_keep_3gib"]
     assert levers["offload_activations"] and levers["offload_keep_gib"] == 3.0 and not levers["mlp_chunk_tokens"]
     assert not rows["review_sft_20480_ours_no_offload"]["offload_activations"]
-    # offloading brings keep_attention_outputs with it, unless the row turns it off
+    # keep_attention_outputs: off in the recipes, on in its own rows (with offloading, under SDPA on the CPU)
     for stage, n in (("sft", 20480), ("dpo", 2432)):
-        assert "keep_attention_outputs" in rows[f"review_{stage}_{n}_ours_fit_12gib"]["patches"]
-        recomputed = rows[f"review_{stage}_{n}_ours_fit_12gib_attention_recomputed"]
-        assert "offload_saved_activations" in recomputed["patches"]
-        assert "keep_attention_outputs" not in recomputed["patches"]
+        assert "keep_attention_outputs" not in rows[f"review_{stage}_{n}_ours_fit_12gib"]["patches"]
+        kept = rows[f"review_{stage}_{n}_ours_fit_12gib_attention_kept"]
+        assert {"offload_saved_activations", "keep_attention_outputs"} <= set(kept["patches"])
     # the recipe's memory_levers fit plans for a GPU: on the CPU its levers stay as written, and the row says so
     for fit in (rows["review_sft_20480_ours"], rows["review_sft_20480_ours_fit_12gib"]):
         assert fit["memory_plan"]["levers"] == "as_set" and "CPU" in fit["memory_plan"]["why"]
