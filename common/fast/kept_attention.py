@@ -53,7 +53,7 @@ def keep_attention_outputs(model) -> int:
         attention = getattr(layer, "self_attn", None)  # the record's scope: the attention module where there is one
         if attention is not None:
             restore_attention(attention)
-            attention.forward = keeping.within(attention.forward)
+            attention.forward = keeping.within(attention)
         else:
             keeping.whole_layer = True
     return len(layers)
@@ -109,9 +109,9 @@ class KeepingAttention:
         self.replayed += replaying * len(record.outputs)
         return out
 
-    def within(self, forward):
-        """`forward` (the attention module's) under the record of the pass that is running, if any."""
-        module = forward.__self__
+    def within(self, module):
+        """The attention module's forward under the record of the pass that is running, if any."""
+        forward = module.forward
 
         @functools.wraps(forward)
         def run(*args, **kwargs):
