@@ -83,10 +83,9 @@ class Offloaded:
     def __init__(self, tensor: torch.Tensor, before: Offloaded | None):
         self.before, self.device = before, tensor.device
         self.stream = _copy_stream(tensor.device) if tensor.is_cuda else None
-        # A dense tensor comes back with its own strides (an attention kernel's output is a permuted buffer,
-        # and its backward sees it as the kernel made it); any other, contiguous.
-        stride = tensor.stride() if _dense(tensor) else torch.empty(tensor.size(), device="meta").stride()
-        self.on_cpu = torch.empty_strided(tensor.size(), stride, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        # empty_like keeps a dense tensor's strides (an attention kernel's output is a permuted buffer, and its
+        # backward sees it as the kernel made it); any other comes back contiguous.
+        self.on_cpu = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
         self.on_device, self.arrived = None, None
         if self.stream is None:
             self.on_cpu.copy_(tensor)
@@ -104,8 +103,7 @@ class Offloaded:
             self.on_device = self.on_cpu.clone()
             return
         compute = torch.cuda.current_stream(self.device)
-        self.on_device = torch.empty_strided(self.on_cpu.size(), self.on_cpu.stride(), dtype=self.on_cpu.dtype,
-                                             device=self.device)  # from the compute stream's memory
+        self.on_device = torch.empty_like(self.on_cpu, device=self.device)  # from the compute stream's memory
         self.stream.wait_stream(compute)  # that memory is free for the side stream to write
         with torch.cuda.stream(self.stream):
             self.on_device.copy_(self.on_cpu, non_blocking=True)
@@ -119,17 +117,6 @@ class Offloaded:
             torch.cuda.current_stream(self.device).wait_event(self.arrived)
         tensor, self.on_device, self.arrived = self.on_device, None, None  # backward owns it now
         return tensor
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Its elements fill its memory exactly, in some order of the dimensions."""
-    order = sorted(range(tensor.dim()), key=lambda d: tensor.stride(d))
-    expected = 1
-    for d in order:
-        if tensor.size(d) != 1 and tensor.stride(d) != expected:
-            return False
-        expected *= tensor.size(d)
-    return True
 
 
 @functools.lru_cache(maxsize=None)
