@@ -4,10 +4,12 @@ for length, or review (paper, structured review) targets.
     python 01_build_pairs.py --config configs/smol/01_build_pairs.yaml --task cmv --data data/cmv/cmv_pairs.jsonl.gz
     python 01_build_pairs.py --config configs/smol/review/01_build_pairs.yaml   # --task review, --review_target
 
-Writes train.jsonl, dev.jsonl, test.jsonl and metrics.json (n_input_rows, n_pairs per split,
-dropped by reason, length_only_accuracy per split, split_by and each split's source periods). Splits
-are by post (`split_by: post`), or with `split_by: period` the test split is the source's later period
-(CMV's `source_split: heldout` posts, whole) and dev is drawn from the rest. Every input row is accounted for:
+Writes train.jsonl, dev.jsonl, dev_later.jsonl, test.jsonl and metrics.json (n_input_rows, n_pairs per
+split, dropped by reason, length_only_accuracy per split, split_by and each split's source periods).
+Splits are by post (`split_by: post`; dev_later is then empty), or with `split_by: period` the source's
+later period (CMV's `source_split: heldout` posts, whole) is held out: `later_dev_fraction` of its posts
+form dev_later, where judges are chosen, the rest test, where they are reported; dev is drawn from the
+earlier rest. Every input row is accounted for:
 n_rows_used + sum(dropped) == n_input_rows (for CMV a row is one pair, so also
 sum(n_pairs) + sum(dropped) == n_input_rows); a review row's reviews are counted in `input_units`.
 
@@ -51,7 +53,7 @@ from common.runs import Run
 from common.tasks import get_task
 
 log = logging.getLogger("pipeline")
-SPLITS = ("train", "dev", "test")
+SPLITS = ("train", "dev", "dev_later", "test")  # dev_later: split_by period only
 
 
 def main(config: PairsConfig, overrides: dict) -> None:
@@ -108,12 +110,14 @@ def main(config: PairsConfig, overrides: dict) -> None:
     #    have nothing to balance.
     strategy = config.length_balance if task.PAIRWISE else "none"
     if config.split_by == "period":  # test: the later period's posts, to see whether a judge transfers
-        splits = split_by_period(examples, config.dev_fraction, config.seed)
+        splits = split_by_period(examples, config.dev_fraction, config.seed, config.later_dev_fraction)
     else:
-        splits = split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
-                                           "dev": config.dev_fraction, "test": config.test_fraction}, config.seed)
+        splits = {"dev_later": [], **split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
+                                                               "dev": config.dev_fraction,
+                                                               "test": config.test_fraction}, config.seed)}
     # Rows of unknown (or another) period that went to test with their post's later-period rows.
-    moved = [p for p in splits["test"] if p.get("source_split") != "heldout"] if config.split_by == "period" else []
+    moved = [p for p in splits["test"] + splits["dev_later"] if p.get("source_split") != "heldout"] \
+        if config.split_by == "period" else []
     length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()} if task.PAIRWISE else None
     kinds_before = length_kinds(examples) if task.PAIRWISE else None
     for name in SPLITS:

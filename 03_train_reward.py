@@ -22,6 +22,7 @@ pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments, set_seed
 from trl import RewardConfig, RewardTrainer
@@ -123,10 +124,12 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
 
     # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
     #    A pairs run split by period holds the source's later posts in test: the audit names it.
+    #    Every held-out split is judged: a pairs run written before dev_later existed has no such file.
     extra = {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
-             for s in config.audit_extra_splits if s != config.audit_split}
+             for s in config.audit_extra_splits if s not in (config.audit_split, config.train_split)
+             and (Path(config.pairs_run) / f"{s}.jsonl").is_file()}
     split_by = load_run_config(config.pairs_run).split_by
-    periods = {s: "period" if s == "test" else "in-period" for s in [config.audit_split, *extra]} \
+    periods = {s: "period" if s in ("test", "dev_later") else "in-period" for s in [config.audit_split, *extra]} \
         if split_by == "period" else {}
     metrics["split_by"] = split_by
     metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,

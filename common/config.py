@@ -184,6 +184,9 @@ class PairsConfig(RunArgs):
         "post", "post: dev and test are drawn at random by post; period (cmv): test is the source's later "
         "period, every post with a `source_split: heldout` row, whole, and dev is drawn by post from the rest "
         "(docs/data.md)")
+    later_dev_fraction: float = arg(
+        0.4, "split_by period: share of the later period's posts, drawn whole by post, that form the split "
+        "dev_later, where judges are chosen; test keeps the rest and is only reported on", ge=0, lt=1)
     length_balance: Literal["match_ratio", "none"] = arg(
         "match_ratio", "match_ratio: pair every winner-shorter pair with the winner-longer pair of nearest "
         "length ratio, so reply length cannot pick the winner (docs/data.md); none: keep all")
@@ -203,6 +206,9 @@ class PairsConfig(RunArgs):
         if self.split_by == "period" and self.test_fraction != 0.1:
             raise ConfigError("field 'test_fraction' is not used with split_by period (the test split is the "
                               "later period's posts): leave it out", "test_fraction")
+        if self.split_by == "post" and self.later_dev_fraction != 0.4:
+            raise ConfigError("field 'later_dev_fraction' is for split_by period (a share of the later period's "
+                              "posts): leave it out", "later_dev_fraction")
         if self.dev_fraction + self.test_fraction >= 1:
             raise ConfigError(f"dev_fraction + test_fraction must be below 1 (the rest is train), got "
                               f"{self.dev_fraction} + {self.test_fraction}", "dev_fraction")
@@ -302,14 +308,15 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     judge_objective: Literal["pairwise", "pointwise"] = arg(
         "pairwise", "pairwise: TRL's RewardTrainer, winner vs loser (Bradley-Terry); pointwise: a classifier on "
         "single replies, delta (the winner, 1) vs no delta (the loser, 0), binary cross-entropy on the score")
-    train_split: Literal["train", "dev", "test"] = arg(
+    train_split: Literal["train", "dev", "dev_later", "test"] = arg(
         "train", "the split whose pairs the judge trains on; dev or test makes a held-out judge for 05's "
         "--judge_runs: trained on posts the policy never saw (docs/results.md)")
-    audit_split: Literal["train", "dev", "test"] = arg(
+    audit_split: Literal["train", "dev", "dev_later", "test"] = arg(
         "dev", "the held-out split the judge is measured and audited on (metrics, <split>_scores.jsonl, "
         "judge_audit.json); not train_split")
-    audit_extra_splits: list[Literal["train", "dev", "test"]] = arg(
-        help="other splits judged besides audit_split in judge_audit.json", factory=lambda: ["test"])
+    audit_extra_splits: list[Literal["train", "dev", "dev_later", "test"]] = arg(
+        help="other splits judged besides audit_split in judge_audit.json (a split the pairs run does not have, "
+             "or train_split, is left out)", factory=lambda: ["dev_later", "test"])
     early_stopping_patience: int = arg(
         0, "> 0: judge the audit_split pairs after every epoch, stop after this many epochs without a lower loss "
         "there and keep the epoch of lowest loss (its accuracy on audit_split is then chosen on it: read the "
@@ -335,14 +342,20 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     """Stage 04: GRPO against the stage-03 judge."""
     STAGE: ClassVar[str] = "GRPO"
 
-    sft_run: str | None = arg(None, "a finished SFT run: the policy starts from its adapter (required)")
+    sft_run: str | None = arg(None, "a finished SFT run: the policy starts from its adapter; without it the policy is "
+                              "a fresh adapter on the base (give --pairs_run), and the reference is the base")
+    pairs_run: str | None = arg(None, "without --sft_run: the Pairs run whose train premises are practised on")
     reward_run: str | None = arg(None, "a finished Reward run: the judge (required)")
     max_prompts: int = arg(1000, "premises of the train split to practise on", ge=1)
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
     max_completion_length: int = arg(256, "tokens per sampled reply", ge=1)
     num_generations: int = arg(4, "replies per premise (GRPO's group)", ge=2)
     temperature: float = arg(1.0, "sampling temperature of the rollouts", gt=0)
-    beta: float = arg(0.0, "KL penalty to the SFT policy; 0: no reference model", ge=0)
+    beta: float = arg(0.0, "KL penalty to where the policy started (the SFT adapter, or the base); 0: no reference "
+                      "model", ge=0)
+    scale_rewards: Literal["group", "batch", "none"] = arg(
+        "group", "TRL's advantage scaling: by the group's reward sd (group), the batch's (batch), or not at all (none: "
+        "a group whose replies score alike then moves the policy little)")
     reward_batch_size: int = arg(16, "replies the judge scores at once", ge=1)
     guard_max_length_ratio: float | None = arg(
         2.0, "reward-hacking guard: stop when the mean reply length (words) of guard_patience batches in a "
@@ -361,7 +374,9 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         "(common/fast/decode_step.py)")
 
     def check(self):
-        require(self, "sft_run")
+        if self.sft_run is None and self.pairs_run is None:
+            raise ConfigError("--sft_run (practise from the SFT adapter) or --pairs_run (from the base) is required",
+                              "sft_run")
         require(self, "reward_run")
         if self.max_tokens_per_batch:
             raise ConfigError("max_tokens_per_batch is for SFT, the reward model and DPO; GRPO's micro-batches are "
@@ -381,7 +396,10 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, OneSequence
     """Stage 04 (preference): DPO or ORPO from the SFT adapter, on either task."""
     STAGE: ClassVar[str] = "DPO"  # ORPO runs are named ..._ORPO_RunN
 
-    sft_run: str | None = arg(None, "a finished SFT run: the policy starts from its adapter (required)")
+    sft_run: str | None = arg(None, "a finished SFT run: the policy starts from its adapter and DPO's reference is "
+                              "it; without it the policy is a fresh adapter on the base, the reference the base "
+                              "(give --pairs_run)")
+    pairs_run: str | None = arg(None, "without --sft_run: the Pairs run whose train pairs are learned from")
     loss: Literal["dpo", "orpo"] = arg("dpo", "dpo: TRL's DPOTrainer, the reference = the SFT adapter frozen on "
                                        "the same base; orpo: trl.experimental.orpo (no reference)")
     beta: float = arg(0.1, "DPO's beta (strength of the reference); ORPO's lambda", gt=0)
@@ -401,7 +419,9 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, OneSequence
         return self.loss.upper()
 
     def check(self):
-        require(self, "sft_run")
+        if self.sft_run is None and self.pairs_run is None:
+            raise ConfigError("--sft_run (learn from the SFT adapter) or --pairs_run (from the base) is required",
+                              "sft_run")
         if self.max_tokens_per_batch and self.loss == "orpo":
             raise ConfigError("max_tokens_per_batch is for dpo; ORPO runs per_device_train_batch_size pairs a "
                               "micro-batch", "max_tokens_per_batch")
@@ -419,10 +439,11 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     judge_runs: list[str] = arg(
         help="more Reward runs whose judges also score every reply, each reported under its run name; a judge "
              "that trained on any scored premise is refused (held-out judges: docs/results.md)", factory=list)
-    split: Literal["train", "dev", "test"] = arg("test", "the split whose premises are scored")
+    split: Literal["train", "dev", "dev_later", "test"] = arg(
+        "test", "the split whose premises are scored (never dev_later, where judges are chosen)")
     max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
-    max_new_tokens: int = arg(256, "tokens per greedy reply", ge=1)
+    max_new_tokens: int = arg(256, "tokens per reply", ge=1)
     batch_size: int = arg(8, "premises generated and scored at once", ge=1)
     evaluate_base: bool = arg(True, "also score the base model (adapters off); judges compare every model with it")
     reading: Literal["first_window", "all_windows"] = arg(
@@ -430,9 +451,21 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         "the model's rating on every window of max_prompt_tokens and averages it (docs/review.md)")
     window_overlap: int = arg(256, "reading all_windows: tokens two neighbouring windows share", ge=0)
     n_report_samples: int = arg(5, "premises shown with every model's reply in report.md", ge=0)
+    best_of_n: int = arg(
+        0, "> 1: add the model best_of_n: this many replies a premise sampled from the SFT model (the base without "
+        "--sft_run) at best_of_n_temperature, the training judge's best kept; no training: the baseline practice "
+        "must beat. 0: off", ge=0)
+    best_of_n_temperature: float = arg(0.7, "best_of_n: the sampling temperature of its candidates", gt=0)
 
     def check(self):
         require(self, "pairs_run")
+        if self.best_of_n == 1:
+            raise ConfigError("field 'best_of_n' must be 0 (off) or at least 2: one sample has no best", "best_of_n")
+        if self.best_of_n and not self.reward_run:
+            raise ConfigError("best_of_n keeps the training judge's best reply: it needs --reward_run", "best_of_n")
+        if self.split == "dev_later":
+            raise ConfigError("field 'split': dev_later is where judges and recipes are chosen, so stage 05 never "
+                              "scores it: use dev to choose, test to report", "split")
         if self.reading == "all_windows" and self.window_overlap >= self.max_prompt_tokens:
             raise ConfigError(f"window_overlap ({self.window_overlap}) must be below max_prompt_tokens "
                               f"({self.max_prompt_tokens})", "window_overlap")

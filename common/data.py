@@ -210,14 +210,20 @@ def split_by_group(pairs: list[dict], fractions: dict[str, float], seed: int) ->
     return out
 
 
-def split_by_period(pairs: list[dict], dev_fraction: float, seed: int) -> dict[str, list[dict]]:
-    """The source's later period as the test split: every post (group) with a row whose source_split
-    is `heldout` goes to test with all its rows, since a post has one date and its rows of unknown
-    period share it. Dev is drawn by post from the rest, as split_by_group does."""
+def split_by_period(pairs: list[dict], dev_fraction: float, seed: int,
+                    later_dev_fraction: float = 0.0) -> dict[str, list[dict]]:
+    """The source's later period as the held-out splits: every post (group) with a row whose source_split
+    is `heldout` is a later post with all its rows, since a post has one date and its rows of unknown
+    period share it. `later_dev_fraction` of the later posts, drawn by post, form dev_later (where a
+    judge is chosen), the rest test (where it is reported), so that no choice is made on test. Dev is
+    drawn by post from the earlier rest, as split_by_group does."""
     later = {p["group_id"] for p in pairs if p.get("source_split") == "heldout"}
     rest = split_by_group([p for p in pairs if p["group_id"] not in later],
                           {"train": 1 - dev_fraction, "dev": dev_fraction}, seed)
-    return {**rest, "test": [p for p in pairs if p["group_id"] in later]}
+    held = [p for p in pairs if p["group_id"] in later]
+    held = split_by_group(held, {"test": 1 - later_dev_fraction, "dev_later": later_dev_fraction}, seed) \
+        if later_dev_fraction else {"test": held, "dev_later": []}
+    return {**rest, "dev_later": held["dev_later"], "test": held["test"]}
 
 
 def n_words(text: str) -> int:

@@ -23,25 +23,32 @@ def period_run(tmp_path_factory):
                                 "--runs_dir", runs))
 
 
-def test_period_split_puts_exactly_the_later_posts_in_test_whole(period_run):
+def test_period_split_puts_exactly_the_later_posts_in_dev_later_and_test_whole(period_run):
     rows = [json.loads(line) for line in gzip.open(BUNDLED, "rt", encoding="utf-8")]
     later_posts = {r["op_id"] for r in rows if r["source_split"] == "heldout"}
-    splits = {s: load_split(period_run, s) for s in ("train", "dev", "test")}
+    splits = {s: load_split(period_run, s) for s in ("train", "dev", "dev_later", "test")}
     posts = {s: {p["group_id"] for p in rows_} for s, rows_ in splits.items()}
-    assert posts["test"] <= later_posts and not (posts["train"] | posts["dev"]) & later_posts
-    assert not posts["train"] & posts["dev"]
-    # Every kept later-period row is in test; the only others there share a post with one.
+    later = splits["dev_later"] + splits["test"]
+    assert posts["test"] | posts["dev_later"] <= later_posts and not (posts["train"] | posts["dev"]) & later_posts
+    assert not posts["train"] & posts["dev"] and not posts["test"] & posts["dev_later"]
+    # dev_later holds about later_dev_fraction (0.4) of the later posts, drawn whole by post.
+    share = len(posts["dev_later"]) / len(posts["dev_later"] | posts["test"])
+    assert 0.35 < share < 0.45, share
+    # Every kept later-period row is in dev_later or test; the only others there share a post with one.
     assert all(p["source_split"] != "heldout" for s in ("train", "dev") for p in splits[s])
     by_post = defaultdict(set)
     for r in rows:
         by_post[r["op_id"]].add(r["source_split"])
     mixed = {op for op, periods in by_post.items() if "heldout" in periods and len(periods) > 1}
-    others = [p for p in splits["test"] if p["source_split"] != "heldout"]
+    others = [p for p in later if p["source_split"] != "heldout"]
     assert others and {p["group_id"] for p in others} <= mixed
 
     metrics = json.loads((period_run / "metrics.json").read_text())
     assert metrics["split_by"] == "period"
-    assert metrics["source_split"]["test"] == {"heldout": len(splits["test"]) - len(others), "unknown": len(others)}
+    for name in ("dev_later", "test"):
+        n_other = sum(p["source_split"] != "heldout" for p in splits[name])
+        assert metrics["source_split"][name] == {"heldout": len(splits[name]) - n_other,
+                                                 **({"unknown": n_other} if n_other else {})}
     assert set(metrics["source_split"]["train"]) == {"train", "unknown"}
     assert metrics["test_rows_of_other_periods_with_their_post"]["posts"] == len(mixed)
     # Balanced per split, as stage 01 reports it and as the files say.
@@ -53,6 +60,24 @@ def test_period_split_puts_exactly_the_later_posts_in_test_whole(period_run):
     assert sum(metrics["n_pairs"].values()) == metrics["n_rows_used"]
 
 
+def test_later_dev_fraction_zero_leaves_every_later_post_in_test(tmp_path):
+    whole = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/smol/01_build_pairs.yaml",
+                                 "--later_dev_fraction", "0", "--runs_dir", tmp_path))
+    assert load_split(whole, "dev_later") == []
+    later = {r["op_id"] for r in map(json.loads, gzip.open(BUNDLED, "rt", encoding="utf-8"))
+             if r["source_split"] == "heldout"}
+    assert {p["group_id"] for p in load_split(whole, "test")} >= later & {
+        p["group_id"] for s in ("train", "dev", "test") for p in load_split(whole, s)}
+
+
+def test_eval_refuses_to_score_dev_later(tmp_path):
+    proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", tmp_path,
+                     "--split", "dev_later", "--runs_dir", tmp_path / "runs", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and lines[-1].startswith("error: ") and "dev_later" in lines[-1], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_post_split_is_unchanged_and_reports_its_periods(pairs_run):
     metrics = json.loads((pairs_run / "metrics.json").read_text())
     assert metrics["split_by"] == "post" and "test_rows_of_other_periods_with_their_post" not in metrics
@@ -62,6 +87,7 @@ def test_post_split_is_unchanged_and_reports_its_periods(pairs_run):
 @pytest.mark.parametrize("config, extra, field", [
     ("configs/tiny/review/01_build_pairs.yaml", ["--split_by", "period"], "split_by"),
     ("configs/smol/01_build_pairs.yaml", ["--test_fraction", "0.2"], "test_fraction"),
+    ("configs/tiny/01_build_pairs.yaml", ["--split_by", "post", "--later_dev_fraction", "0.2"], "later_dev_fraction"),
 ])
 def test_period_split_refuses_what_it_cannot_do(tmp_path, config, extra, field):
     proc = run_stage("01_build_pairs.py", "--config", config, *extra, "--runs_dir", tmp_path / "runs", check=False)
@@ -78,7 +104,7 @@ def test_audit_names_the_later_period_and_early_stopping_keeps_the_best_epoch(tm
                                   "--pairs_run", pairs, "--max_steps", -1, "--num_train_epochs", 3,
                                   "--max_train_examples", 8, "--early_stopping_patience", 1, "--runs_dir", runs))
     audit = json.loads((reward / "judge_audit.json").read_text())
-    assert audit["periods"] == {"dev": "in-period", "test": "period"}
+    assert audit["periods"] == {"dev": "in-period", "dev_later": "period", "test": "period"}
     assert "pairs from later posts (test, split_by period): accuracy" in audit["verdict"]["text"]
     for name in ("length_only", "bag_of_words"):
         assert {"dev_accuracy", "test_accuracy"} <= set(audit["baselines"][name])
