@@ -14,6 +14,9 @@ the model that made them (a resumed run reads them back instead of generating ag
 cut to `max_prompt_tokens` (for a paper: its head, the first window), replies at a sentence end so
 that prompt + reply fit `max_length`.
 
+Without --sft_run (give --pairs_run) the policy is a fresh adapter on the base, and the reference is
+the base; the manifest's `started_from` says which.
+
 loss dpo: TRL's DPOTrainer (sigmoid loss, `beta`). The policy is the SFT adapter, trained further.
 The reference is the SFT policy itself: TRL adds a frozen copy of the SFT adapter (named `ref`) to
 the same 4-bit base, so no second base model is in memory; the copy is dropped before saving.
@@ -54,6 +57,9 @@ def rejected_replies(run, config: DPOStageConfig, model, tokenizer, rows, prompt
     out: list[str | None] = [None] * len(rows)
     if not todo:
         return out
+    if config.rejected_from == "sft" and not config.sft_run:
+        raise RunError(f"{len(todo)} pairs have no rejected reply and rejected_from is sft, but no --sft_run was "
+                       f"given: give one, or --rejected_from base")
     path = run.dir / "rejected.jsonl"
     # A resumed run trains on the very replies its earlier steps had, or it stops.
     recorded = run.manifest.get("rejected_sha256")
@@ -77,7 +83,8 @@ def rejected_replies(run, config: DPOStageConfig, model, tokenizer, rows, prompt
                                      config.generation_batch_size, **config.decoding())
         tokenizer.padding_side = "right"  # generation pads on the left; training on the right
         if run.is_main:  # written whole, then renamed: a crash never leaves half a file
-            made_by = {"model": config.rejected_from, "sft_run": str(Path(config.sft_run).resolve())}
+            made_by = {"model": config.rejected_from,
+                       "sft_run": str(Path(config.sft_run).resolve()) if config.sft_run else None}
             tmp = path.with_suffix(".jsonl.tmp")
             write_jsonl(tmp, [{"id": rows[i]["id"], "rejected": text, **made_by} for i, text in zip(todo, texts)])
             tmp.replace(path)
@@ -130,18 +137,21 @@ def main(config: DPOStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory (named by the loss: DPO or ORPO); the SFT run must be finished and
     #    built on this base.
     set_seed(config.seed)
-    run = Run(config.stage, config, overrides, inputs={"sft_run": config.sft_run}, base=fingerprint(config))
+    inputs = {"sft_run": config.sft_run, "pairs_run": config.pairs_run}
+    run = Run(config.stage, config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
+    run.manifest["started_from"] = "sft" if config.sft_run else "base"
     run.start_tracking()
 
-    # 2. Pairs: the train split of the pairs run the SFT adapter was trained on.
+    # 2. Pairs: the train split of the pairs run the SFT adapter was trained on (or of --pairs_run).
     rows = load_split(run.pairs_run, "train")[: config.max_pairs]
     if not rows:
         raise DataError(f"{run.pairs_run}: no train pairs to train on")
     tokenizer = load_tokenizer(config)
     prompts = [fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens) for row in rows]
 
-    # 3. Model: the 4-bit base with the SFT adapter, trainable.
-    model = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter", trainable=True)
+    # 3. Model: the 4-bit base with the SFT adapter, trainable (or a fresh adapter on the base).
+    model = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter" if config.sft_run else None,
+                       trainable=True)
 
     # 4. Rejected replies for the rows that have none (review), by the model rejected_from names.
     rejected = rejected_replies(run, config, model, tokenizer, rows, prompts)

@@ -3,7 +3,8 @@
     python 04_train_grpo.py --config configs/smol/04_train_grpo.yaml \
         --sft_run runs/Nov30_SFT_Run1 --reward_run runs/Nov30_Reward_Run1
 
-Starts from the SFT adapter (trained further; the 4-bit base stays frozen). For each premise the
+Starts from the SFT adapter (trained further; the 4-bit base stays frozen), or, with --pairs_run and
+no --sft_run, from a fresh adapter on the base (the manifest's `started_from` says which). For each premise the
 policy writes `num_generations` replies; the reward run's judge scores them, and GRPO pushes up the
 replies that beat their group's mean. A reward-hacking watch logs, every step, the mean reward, mean
 reply length (tokens and words), distinct-2 and overlap with the premise to metrics.json `per_step`
@@ -43,7 +44,8 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
     run.manifest["memory_plan"] = fast.fit_memory(config, policy)  # memory_levers fit: what this GPU needs
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
-                        temperature=config.temperature, beta=config.beta, log_completions=False)
+                        temperature=config.temperature, beta=config.beta, scale_rewards=config.scale_rewards,
+                        log_completions=False)
     rollout = None
     if config.rollout_backend == "static" and fast.supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental: common/trl_compat.py
@@ -71,8 +73,9 @@ def judge_scoring(judge) -> str:
 def main(config: GRPOStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; both inputs finished, built on this base and on one pairs run.
     set_seed(config.seed)
-    run = Run("GRPO", config, overrides, inputs={"sft_run": config.sft_run, "reward_run": config.reward_run},
-              base=fingerprint(config))
+    inputs = {"sft_run": config.sft_run, "pairs_run": config.pairs_run, "reward_run": config.reward_run}
+    run = Run("GRPO", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
+    run.manifest["started_from"] = "sft" if config.sft_run else "base"
     run.start_tracking()
 
     # 2. Prompts: the premises the SFT model was trained on (its pairs run).
@@ -81,8 +84,9 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     prompts = prompt_dataset(run.pairs_run, tokenizer, config)
     log.info("GRPO on %d premises x %d replies", len(prompts), config.num_generations)
 
-    # 3. Models: the policy continues the SFT adapter; the judge is frozen.
-    policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter", trainable=True)
+    # 3. Models: the policy continues the SFT adapter (or starts a fresh one on the base); the judge is frozen.
+    policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter" if config.sft_run else None,
+                        trainable=True)
     #    The judge is the reward run's own (its config and `judge` fingerprint), watched: reply
     #    length, distinct-2 and premise overlap of every batch go to the log (watch/...); the length
     #    guard's reference is kept in the run directory, so a resumed run keeps it.
@@ -92,7 +96,8 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     run.manifest["judge"] = run.inputs["reward_run"].get("judge")
     run.save_manifest()
 
-    # 4. GRPO (beta=0: no reference model; DAPO loss, group-scaled rewards: TRL's defaults).
+    # 4. GRPO (beta=0: no reference model; DAPO loss, group-scaled rewards: TRL's defaults; beta > 0:
+    #    TRL's KL to where the policy started, a frozen copy of the SFT adapter or the base).
     trainer = build_trainer(config, run, policy, judge, prompts, tokenizer)
     trainer.add_callback(judge.stop_callback())  # the length guard stops training at a step's end
 

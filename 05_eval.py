@@ -32,11 +32,12 @@ from pathlib import Path
 from transformers import set_seed
 
 from common import fast
+from common.best_of_n import keep_best
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import decoder_backends, generate_replies
-from common.judges import describe_judges, gain_lines
+from common.judges import describe_judges, gain_lines, verdict_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.readout import rating_readouts
@@ -44,7 +45,7 @@ from common.report import judges_section, log_plots_to_wandb, plot_distributions
 from common.rewards import RewardScorer
 from common.runs import Run
 from common.tasks import get_task
-from common.watch import distinct_n
+from common.watch import reply_shape
 
 log = logging.getLogger("pipeline")
 
@@ -103,13 +104,34 @@ def main(config: EvalConfig, overrides: dict) -> None:
             speed[name] = generation_speed(tokenizer, replies[name], time.perf_counter() - started)
             if task.READOUT_SCALE:
                 readouts[name] = rating_readouts(model, tokenizer, task, prompts, replies[name], windows)
+    #    Best-of-n's candidates: n sampled replies a premise from the SFT model (the base without one).
+    candidates = None
+    if config.best_of_n:
+        source = "sft" if "sft" in adapters else "base"
+        run.manifest["best_of_n"] = {"n": config.best_of_n, "from": source, "temperature": config.best_of_n_temperature}
+        if source == "sft":
+            model.set_adapter("sft")
+        with model.disable_adapter() if source == "base" else contextlib.nullcontext():
+            started = time.perf_counter()
+            flat = generate_replies(model, tokenizer, [p for p in prompts for _ in range(config.best_of_n)],
+                                    config.max_new_tokens, config.batch_size,
+                                    **{**config.decoding(), "temperature": config.best_of_n_temperature})
+            speed["best_of_n"] = generation_speed(tokenizer, flat, time.perf_counter() - started)
+        candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
     del model
 
-    # 4. Score: overlap with the real replies; the judge (when given): reward, win rates against the
-    #    base (plain and length-controlled); the task's own metrics (review: ratings, baselines).
+    # 4. Score: best-of-n's pick by the training judge; overlap with the real replies; what the replies
+    #    look like (loops, copying from the premise, variety); each judge: reward, win rates against the
+    #    base and SFT (plain and length-controlled); the task's own metrics (review: ratings, baselines).
+    candidate_scores = None
+    if candidates:
+        judge = RewardScorer.from_run(config.reward_run, batch_size=config.batch_size, packed=config.fast_paths)
+        replies["best_of_n"], candidate_scores = keep_best(prompts, candidates, judge.score)
+        del judge
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
+    shown = [task.display(p) for p in premises]
     results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
-                      "reply_words_mean": sum(words[name]) / max(1, len(texts)), "distinct_2": distinct_n(texts, 2)}
+                      "reply_words_mean": sum(words[name]) / max(1, len(texts)), **reply_shape(shown, texts)}
                for name, texts in replies.items()}
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
@@ -148,7 +170,9 @@ def main(config: EvalConfig, overrides: dict) -> None:
         {"id": p["id"], "premise": task.display(p)[:2000], "reference": p["chosen"],
          **{name: {"reply": replies[name][i], **({"reward": rewards[name][i]} if rewards else {}),
                    **({"by_judge": {j: every_judge[j][name][i] for j in every_judge}} if every_judge else {}),
-                   **task_report["per_reply"].get(name, [{}] * len(premises))[i]} for name in replies}}
+                   **task_report["per_reply"].get(name, [{}] * len(premises))[i],
+                   **({"candidates": candidates[i], "candidate_scores": candidate_scores[i]}
+                      if name == "best_of_n" else {})} for name in replies}}
         for i, p in enumerate(premises)])
     grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
             if read_json(path.parent / "manifest.json").get("stage") == "GRPO"}
@@ -157,13 +181,15 @@ def main(config: EvalConfig, overrides: dict) -> None:
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
                                           if config.judge_runs else [])
+    headline = verdict_lines(results, judges)  # the report and the summary open with it
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,
                           reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})" +
                           ("; the rating is also read on every window" if windows else ""),
-                          decoding=describe_decoding(config), display=task.display, nouns=task.NOUNS)
-    run.finish({"models": results, **task_report["baselines"], **judge_info, "n_premises": len(premises),
-                "report": str(report)})
+                          decoding=describe_decoding(config), display=task.display, nouns=task.NOUNS,
+                          headline=headline)
+    run.finish({"verdict": headline, "models": results, **task_report["baselines"], **judge_info,
+                "n_premises": len(premises), "report": str(report)})
     print(f"report: {report.resolve()}")
 
 
@@ -174,6 +200,8 @@ def describe_decoding(config: EvalConfig) -> str:
         parts.append(f"repetition penalty {config.repetition_penalty:g}")
     if config.no_repeat_ngram_size:
         parts.append(f"no repeated {config.no_repeat_ngram_size}-gram")
+    if config.best_of_n:
+        parts.append(f"best_of_n: {config.best_of_n} replies sampled at temperature {config.best_of_n_temperature:g}")
     return ", ".join(parts)
 
 
@@ -184,12 +212,14 @@ def generation_speed(tokenizer, texts: list[str], seconds: float) -> dict:
 
 
 def model_adapters(run) -> dict[str, Path]:
-    """sft, then each policy under its stage's name (grpo, dpo, orpo; a second of a kind gets a number)."""
+    """sft, then each policy under its stage's name (grpo, dpo, orpo; grpo_from_base for one that started on the
+    base; a second of a kind gets a number)."""
     adapters = {}
     if run.config.sft_run:
         adapters["sft"] = Path(run.config.sft_run) / "adapter"
     for i, path in enumerate(run.config.policy_runs):
-        name = run.inputs[f"policy_runs[{i}]"]["stage"].lower()
+        recorded = run.inputs[f"policy_runs[{i}]"]
+        name = recorded["stage"].lower() + ("_from_base" if recorded.get("started_from") == "base" else "")
         name = name if name not in adapters else f"{name}{i + 1}"
         adapters[name] = Path(path) / "adapter"
     return adapters

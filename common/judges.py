@@ -116,3 +116,25 @@ def gain_lines(results: dict, judges: dict) -> list[str]:
 def _ci(r: dict, key: str) -> str:
     low, high = r[f"{key}_ci95"]
     return f"{r[key]:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def verdict_lines(results: dict, judges: dict) -> list[str]:
+    """One line per model but the base: its win rate over the base, and over SFT, under each held-out
+    judge, with "holds" only where the interval lies above 0.5. Without a held-out judge, one line
+    says so: a gain under the training judge alone is no verdict."""
+    held_out = [n for n, j in judges.items() if j["role"] == "held_out"]
+    if not held_out:
+        return ["No held-out judge scored these replies: a gain under the training judge alone may be its "
+                "blind spots."] if judges else []
+    lines = []
+    for model, r in results.items():
+        if model == "base":
+            continue
+        parts = []
+        for name in held_out:
+            scored = r["by_judge"][name]
+            said = [f"vs {other} {_ci(scored, key)} ({'holds' if scored[key + '_ci95'][0] > 0.5 else 'does not hold'})"
+                    for other, key in (("base", "win_rate_vs_base"), ("SFT", "win_rate_vs_sft")) if key in scored]
+            parts.append(f"under {name}: " + ", ".join(said))
+        lines.append(f"**{model}**: " + "; ".join(parts) + ".")
+    return lines

@@ -146,13 +146,16 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
 def write_report(path: Path, run_name: str, results: dict, premises: list[dict], replies: dict, rewards: dict,
                  n_samples: int, plots: dict | None = None, judge_verdict: str | None = None,
                  sections: list[str] | None = None, reading: str = "the prompt", decoding: str = "greedy", *,
-                 display, nouns: dict) -> Path:
+                 display, nouns: dict, headline: list[str] | None = None) -> Path:
     """report.md: the metrics table (judge columns only with a judge), the task's own sections, the
     judge's audit verdict, the plots, and sample replies side by side with the real one. The task
     says how a premise is shown (`display`) and named (`nouns`: premise(s), reference(s))."""
     names = list(results)
-    lines = [f"# Evaluation {run_name}", "",
-             f"{len(premises)} held-out {nouns['premises']}; {decoding} replies to {reading}; BLEU-4 and ROUGE "
+    lines = [f"# Evaluation {run_name}", ""]
+    if headline:
+        lines += ["## Verdict (held-out judges; a gain holds where its 95% interval lies above 0.5)", "",
+                  *[f"- {line}" for line in headline], ""]
+    lines += [f"{len(premises)} held-out {nouns['premises']}; {decoding} replies to {reading}; BLEU-4 and ROUGE "
              f"against the {nouns['references']} (every {nouns['reference']} of a {nouns['premise']} is a reference)."]
     if rewards:
         lines += [f"Reward = the stage-03 judge's score; win rate = share of {nouns['premises']} where the judge prefers "
@@ -160,14 +163,18 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
                   "same preference with the length effect regressed out (logistic fit of the win on the length "
                   "difference, read at equal length, as AlpacaEval's length-controlled win rate)."]
     judge_head = " reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |" if rewards else ""
-    lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) |",
-              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- |"]
+    lines += ["*Looped*: a sentence or line of 5+ words said 3 or more times; *copied*: the share of a reply's "
+              f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies."]
+    lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | looped | copied | "
+              "distinct-2 |",
+              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in names:
         r = results[name]
         judge = (f" {_fmt(r.get('reward_mean'))} | {_with_ci(r, 'win_rate_vs_base')} | "
                  f"{_with_ci(r, 'lc_win_rate_vs_base')} |") if rewards else ""
         lines.append(f"| {name} |{judge} {r['bleu4']:.2f} | {r['rouge1']:.3f} | {r['rouge2']:.3f} | "
-                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} |")
+                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {r['looped_share']:.2f} | "
+                     f"{r['premise_copy_share']:.3f} | {r['distinct_2']:.3f} |")
     lines += sections or []
     if judge_verdict:
         lines += ["", "## The judge", "", f"From the reward run's judge_audit.json: {judge_verdict}"]

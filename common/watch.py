@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,21 @@ def premise_overlap(premise: str, reply: str, n: int = 3) -> float:
         return 0.0
     source = set(_ngrams(_words(premise), n))
     return sum(g in source for g in grams) / len(grams)
+
+
+def looped(text: str, min_words: int = 5, times: int = 3) -> bool:
+    """A reply that loops: one line or sentence of at least `min_words` words said `times` times or more."""
+    parts = [p.strip().lower() for p in re.split(r"\n|(?<=[.!?])\s", text) if len(p.split()) >= min_words]
+    return bool(parts) and Counter(parts).most_common(1)[0][1] >= times
+
+
+def reply_shape(premises: list[str], replies: list[str]) -> dict:
+    """What stage 05 reports of one model's replies besides the judges' verdicts: the share that loop,
+    the share of reply 3-grams copied from the premise (mean over replies), and distinct-2 over all."""
+    n = max(1, len(replies))
+    return {"looped_share": sum(map(looped, replies)) / n,
+            "premise_copy_share": sum(premise_overlap(p, r) for p, r in zip(premises, replies)) / n,
+            "distinct_2": distinct_n(replies, 2)}
 
 
 def hacking_stats(premises: list[str], replies: list[str]) -> dict:

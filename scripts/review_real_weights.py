@@ -15,9 +15,7 @@ values) and OUT_DIR/review_preference_curves.png (loss, reward margin and accura
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -25,19 +23,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import read_json, read_jsonl, write_json  # noqa: E402
-from common.watch import distinct_n  # noqa: E402
+from common.watch import distinct_n, looped  # noqa: E402
 
 DECODING_FIELDS = ("repetition_penalty", "no_repeat_ngram_size", "temperature")
 
 
 def config_of(run: Path) -> dict:
     return yaml.safe_load((run / "config.yaml").read_text())
-
-
-def looped(text: str, min_words: int = 5, times: int = 3) -> bool:
-    """A review that loops: one line or sentence of at least `min_words` words said `times` times or more."""
-    parts = [p.strip().lower() for p in re.split(r"\n|(?<=[.!?])\s", text) if len(p.split()) >= min_words]
-    return bool(parts) and Counter(parts).most_common(1)[0][1] >= times
 
 
 def sweep_row(run: Path) -> dict:
