@@ -19,10 +19,13 @@ from common.runs import RunError
 TRAIN_POSTS = "train_posts.json"
 
 
-def write_train_posts(run_dir: Path, split: str, rows: list[dict]) -> None:
-    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on, and the digests
-    of their premise texts (the same post under another id is the same premise)."""
-    write_json(Path(run_dir) / TRAIN_POSTS, {"split": split, "n_pairs": len(rows),
+def write_train_posts(run_dir: Path, split: str, rows: list[dict], train_also: list[str] = (),
+                      cross_fit: dict | None = None) -> None:
+    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on, all of them
+    (train_also's too), and the digests of their premise texts (the same post under another id is the
+    same premise); a cross-fit's judge also records its folds and the fold it left out."""
+    write_json(Path(run_dir) / TRAIN_POSTS, {"split": split, "train_also": list(train_also), "n_pairs": len(rows),
+                                             **({"cross_fit": cross_fit} if cross_fit else {}),
                                              "posts": sorted({r["group_id"] for r in rows}),
                                              "premises": sorted({premise_digest(r) for r in rows})})
 
