@@ -443,6 +443,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     judge_runs: list[str] = arg(
         help="more Reward runs whose judges also score every reply, each reported under its run name; a judge "
              "that trained on any scored premise is refused (held-out judges: docs/results.md)", factory=list)
+    crossfit_judge_runs: list[str] = arg(
+        help="the k Reward runs of one cross-fit (stage 03's cross_fit_folds k, one run per fold, in any order) "
+             "as one more judge, named <fold 0's run name>_crossfit: each premise scored by the fold judge that "
+             "did not train on its post (docs/results.md)", factory=list)
     split: Literal["train", "dev", "test"] = arg("test", "the split whose premises are scored")
     max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
@@ -460,9 +464,12 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if self.reading == "all_windows" and self.window_overlap >= self.max_prompt_tokens:
             raise ConfigError(f"window_overlap ({self.window_overlap}) must be below max_prompt_tokens "
                               f"({self.max_prompt_tokens})", "window_overlap")
-        if not self.evaluate_base and (self.reward_run or self.judge_runs):
+        if not self.evaluate_base and (self.reward_run or self.judge_runs or self.crossfit_judge_runs):
             raise ConfigError("evaluate_base false: judges score every model against the base, so it needs no "
                               "--reward_run or --judge_runs", "evaluate_base")
+        if len(self.crossfit_judge_runs) == 1:
+            raise ConfigError("field 'crossfit_judge_runs' takes every run of one cross-fit, one per fold: at "
+                              "least 2", "crossfit_judge_runs")
         judges = [Path(p).resolve() for p in ([self.reward_run] if self.reward_run else []) + self.judge_runs]
         if len({p.name for p in judges}) < len(judges):
             raise ConfigError("field 'judge_runs': every judge (--reward_run and --judge_runs) must be a different "
