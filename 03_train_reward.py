@@ -15,7 +15,9 @@ score one of them), <audit_split>_scores.jsonl, and metrics.json with the `audit
 the same pairs, its score-length correlation, shortcut probes and a verdict. `train_split: dev` (or
 test) makes a held-out judge for 05's --judge_runs (docs/results.md). When the pairs run was split by
 period (stage 01's `split_by: period`), the audit names test the later period and dev in-period, with
-both baselines on each. `early_stopping_patience` judges the audit split after every epoch and keeps
+both baselines on each. `cross_fit_folds: k` with `cross_fit_fold: j` trains on all but fold j of
+train_split's posts (folds by a hash of the post id) and audits fold j too (`test_fold<j>`): the k
+runs are 05's --crossfit_judge_runs; `train_also` adds more splits' pairs. `early_stopping_patience` judges the audit split after every epoch and keeps
 the epoch of lowest loss there. The manifest's `base` is the
 pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` the judge's own backbone.
 """
@@ -31,7 +33,7 @@ from common import fast
 from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig, load_run_config
-from common.data import load_split, train_and_dev, write_jsonl
+from common.data import DataError, cross_fit, load_split, write_jsonl
 from common.judges import write_train_posts
 from common.metrics import preference_metrics
 from common.model import fingerprint
@@ -63,11 +65,13 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     run.save_manifest()
     run.start_tracking()
 
-    # 2. Data: winner-vs-loser pairs of the split the judge trains on (its posts recorded for 05's
-    #    overlap check); the held-out audit split for the judge's report.
-    train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples,
-                                         config.train_split, config.audit_split)
-    write_train_posts(run.dir, config.train_split, train_rows)
+    # 2. Data: winner-vs-loser pairs of the split the judge trains on, and of train_also's (their posts
+    #    recorded for 05's overlap check); the held-out audit split for the judge's report. Cross-fitting
+    #    leaves one fold of train_split's posts out, judged by the audit as <train_split>_fold<k>.
+    train_rows, left_out = training_pairs(config)
+    dev_rows = load_split(config.pairs_run, config.audit_split)[: config.max_eval_examples]
+    write_train_posts(run.dir, config.train_split, train_rows, train_also=config.train_also,
+                      cross_fit={"folds": config.cross_fit_folds, "fold": config.cross_fit_fold} if left_out else None)
     log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
              config.train_split, len(dev_rows), config.audit_split)
 
@@ -119,23 +123,43 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     dev = preference_metrics(dev_rows, chosen, rejected)
     log.info("%s: %s", config.audit_split, dev)
     metrics.update(dev, metrics_split=config.audit_split, judge_objective=config.judge_objective,
-                   train_split=config.train_split, n_train_pairs=len(train_rows),
+                   train_split=config.train_split, train_also=config.train_also, n_train_pairs=len(train_rows),
                    n_train_pairs_dropped_too_long=n_dropped)
 
     # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
     #    A pairs run split by period holds the source's later posts in test: the audit names it.
-    #    Every held-out split is judged: a pairs run written before dev_later existed has no such file.
+    #    Every held-out split is judged, a left-out fold too; a split the judge trained on is no audit, and a
+    #    pairs run written before dev_later existed has no such file.
     extra = {s: load_split(config.pairs_run, s)[: config.max_eval_examples]
-             for s in config.audit_extra_splits if s not in (config.audit_split, config.train_split)
+             for s in config.audit_extra_splits if s not in (config.audit_split, config.train_split, *config.train_also)
              and (Path(config.pairs_run) / f"{s}.jsonl").is_file()}
+    extra.update(left_out)
     split_by = load_run_config(config.pairs_run).split_by
-    periods = {s: "period" if s in ("test", "dev_later") else "in-period" for s in [config.audit_split, *extra]} \
+    periods = {s: "period" if s.split("_fold")[0] in ("test", "dev_later") else "in-period"
+               for s in [config.audit_split, *extra]} \
         if split_by == "period" else {}
     metrics["split_by"] = split_by
     metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,
                                                config.seed, split=config.audit_split, periods=periods,
                                                probes=get_task(run.task).PROBES)
     run.finish(metrics)
+
+
+def training_pairs(config: RewardStageConfig) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The pairs the judge trains on: train_split's (cross-fitting: but those of the left-out fold's
+    posts), then train_also's, cut to max_train_examples (never none); and the left-out fold's pairs
+    under their audit name ({"test_fold1": [...]}; {} without cross-fitting)."""
+    rows, left_out = load_split(config.pairs_run, config.train_split), {}
+    if config.cross_fit_folds:
+        rows, out = cross_fit(rows, config.cross_fit_folds, config.cross_fit_fold)
+        left_out[f"{config.train_split}_fold{config.cross_fit_fold}"] = out[: config.max_eval_examples]
+    for split in config.train_also:
+        rows = rows + load_split(config.pairs_run, split)
+    rows = rows[: config.max_train_examples]
+    if not rows:
+        raise DataError(f"{config.pairs_run}: no {'+'.join([config.train_split, *config.train_also])} pairs to "
+                        f"train on" + (f" outside fold {config.cross_fit_fold}" if left_out else ""))
+    return rows, left_out
 
 
 if __name__ == "__main__":

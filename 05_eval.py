@@ -37,12 +37,11 @@ from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import decoder_backends, generate_replies
-from common.judges import describe_judges, gain_lines, verdict_lines
+from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge, verdict_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
-from common.rewards import RewardScorer
 from common.runs import Run
 from common.tasks import get_task
 from common.watch import reply_shape
@@ -57,7 +56,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     set_seed(config.seed)
     inputs = {"pairs_run": config.pairs_run, "reward_run": config.reward_run, "sft_run": config.sft_run,
               **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)},
-              **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)}}
+              **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)},
+              **{f"crossfit_judge_runs[{i}]": path for i, path in enumerate(config.crossfit_judge_runs)}}
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
     adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
@@ -79,6 +79,12 @@ def main(config: EvalConfig, overrides: dict) -> None:
         judge_runs, Path(config.reward_run).name if config.reward_run else None, premises,
         {r["group_id"] for r in load_split(config.pairs_run, "train")} if config.judge_runs else set(),
         {name: load_run_config(path) for name, path in judge_runs.items()})
+    # 2c. A cross-fit's k fold judges (--crossfit_judge_runs) as one judge: each premise is scored by the
+    #     fold judge that never trained on its post (common/judges.py CrossFitScorer).
+    crossfit = CrossFitScorer(config.crossfit_judge_runs, premises, prompts, config.pairs_run, taken=judges) \
+        if config.crossfit_judge_runs else None
+    if crossfit:
+        judges[crossfit.name] = crossfit.info
 
     # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base. Review:
     #    each model's own rating is also read after its review (common/readout.py), so that a review
@@ -125,7 +131,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     #    base and SFT (plain and length-controlled); the task's own metrics (review: ratings, baselines).
     candidate_scores = None
     if candidates:
-        judge = RewardScorer.from_run(config.reward_run, batch_size=config.batch_size, packed=config.fast_paths)
+        judge = load_judge(config.reward_run, batch_size=config.batch_size, packed=config.fast_paths)
         replies["best_of_n"], candidate_scores = keep_best(prompts, candidates, judge.score)
         del judge
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
@@ -135,8 +141,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
                for name, texts in replies.items()}
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
-    for name, path in judge_runs.items():  # one judge in memory at a time
-        judge = RewardScorer.from_run(path, batch_size=config.batch_size, packed=config.fast_paths)
+    for name, path in {**judge_runs, **({crossfit.name: crossfit} if crossfit else {})}.items():  # one at a time
+        judge = load_judge(path, batch_size=config.batch_size, packed=config.fast_paths)
         run.manifest["backends"]["judge_scoring"][name] = judge.scoring
         scores = every_judge[name] = {model: judge.score(prompts, texts) for model, texts in replies.items()}
         del judge
@@ -156,6 +162,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
         verdict = read_json(audit)["verdict"]["text"] if audit.is_file() else None
     run.manifest["judges"] = {name: read_json(Path(path) / "manifest.json").get("judge")
                               for name, path in judge_runs.items()}
+    if crossfit:
+        run.manifest["judges"][crossfit.name] = crossfit.fingerprints()
     run.save_manifest()
     task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed)
     for name in results:
@@ -180,7 +188,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
              **task_report["plots"](run.dir)}
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
-                                          if config.judge_runs else [])
+                                          if config.judge_runs or crossfit else [])
     headline = verdict_lines(results, judges)  # the report and the summary open with it
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,

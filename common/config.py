@@ -315,8 +315,17 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         "dev", "the held-out split the judge is measured and audited on (metrics, <split>_scores.jsonl, "
         "judge_audit.json); not train_split")
     audit_extra_splits: list[Literal["train", "dev", "dev_later", "test"]] = arg(
-        help="other splits judged besides audit_split in judge_audit.json (a split the pairs run does not have, "
-             "or train_split, is left out)", factory=lambda: ["dev_later", "test"])
+        help="other splits judged besides audit_split in judge_audit.json (a split the judge trained on, or one the "
+             "pairs run does not have, is skipped)", factory=lambda: ["dev_later", "test"])
+    train_also: list[Literal["train", "dev", "dev_later", "test"]] = arg(
+        help="more splits whose pairs are added to train_split's, their posts recorded in train_posts.json too "
+             "(e.g. [dev] beside a cross-fit on test)", factory=list)
+    cross_fit_folds: int = arg(
+        0, ">= 2: cross-fitting. train_split's posts are cut into this many folds by a hash of the post id "
+           "(common/data.py fold_of), and the judge trains on all but cross_fit_fold, whose pairs the audit "
+           "also judges (<train_split>_fold<k>); the k runs, one per fold, are 05's --crossfit_judge_runs, "
+           "each premise scored by the judge that left its post out (docs/results.md). 0: off", ge=0)
+    cross_fit_fold: int = arg(0, "cross_fit_folds >= 2: the fold (0..cross_fit_folds-1) this judge leaves out", ge=0)
     early_stopping_patience: int = arg(
         0, "> 0: judge the audit_split pairs after every epoch, stop after this many epochs without a lower loss "
         "there and keep the epoch of lowest loss (its accuracy on audit_split is then chosen on it: read the "
@@ -335,6 +344,20 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         if self.audit_split == self.train_split:
             raise ConfigError(f"field 'audit_split' must differ from train_split ({self.train_split}): a judge is "
                               f"measured on pairs it did not train on", "audit_split")
+        if self.train_split in self.train_also or self.audit_split in self.train_also \
+                or len(set(self.train_also)) < len(self.train_also):
+            raise ConfigError(f"field 'train_also' takes splits other than train_split ({self.train_split}) and "
+                              f"audit_split ({self.audit_split}), each once; got {self.train_also}", "train_also")
+        if self.cross_fit_folds == 1:
+            raise ConfigError("field 'cross_fit_folds' must be 0 (off) or at least 2", "cross_fit_folds")
+        if self.cross_fit_fold and self.cross_fit_fold >= self.cross_fit_folds:
+            raise ConfigError(f"field 'cross_fit_fold' must be below cross_fit_folds ({self.cross_fit_folds}; "
+                              f"0: no cross-fitting), got {self.cross_fit_fold}", "cross_fit_fold")
+        # A cross-fit makes a held-out judge of the premises stage 05 scores; the train split is the
+        # policy's, which 05 does not score, and a judge trained on it is never held out.
+        if self.cross_fit_folds and self.train_split == "train":
+            raise ConfigError("cross_fit_folds: cross-fit the split stage 05 scores (train_split test, or dev), "
+                              "not the policy's train split", "train_split")
 
 
 @dataclass
@@ -439,6 +462,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     judge_runs: list[str] = arg(
         help="more Reward runs whose judges also score every reply, each reported under its run name; a judge "
              "that trained on any scored premise is refused (held-out judges: docs/results.md)", factory=list)
+    crossfit_judge_runs: list[str] = arg(
+        help="the k Reward runs of one cross-fit (stage 03's cross_fit_folds k, one run per fold, in any order) "
+             "as one more judge, named <fold 0's run name>_crossfit: each premise scored by the fold judge that "
+             "did not train on its post (docs/results.md)", factory=list)
     split: Literal["train", "dev", "dev_later", "test"] = arg(
         "test", "the split whose premises are scored (never dev_later, where judges are chosen)")
     max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
@@ -469,9 +496,12 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if self.reading == "all_windows" and self.window_overlap >= self.max_prompt_tokens:
             raise ConfigError(f"window_overlap ({self.window_overlap}) must be below max_prompt_tokens "
                               f"({self.max_prompt_tokens})", "window_overlap")
-        if not self.evaluate_base and (self.reward_run or self.judge_runs):
+        if not self.evaluate_base and (self.reward_run or self.judge_runs or self.crossfit_judge_runs):
             raise ConfigError("evaluate_base false: judges score every model against the base, so it needs no "
                               "--reward_run or --judge_runs", "evaluate_base")
+        if len(self.crossfit_judge_runs) == 1:
+            raise ConfigError("field 'crossfit_judge_runs' takes every run of one cross-fit, one per fold: at "
+                              "least 2", "crossfit_judge_runs")
         judges = [Path(p).resolve() for p in ([self.reward_run] if self.reward_run else []) + self.judge_runs]
         if len({p.name for p in judges}) < len(judges):
             raise ConfigError("field 'judge_runs': every judge (--reward_run and --judge_runs) must be a different "

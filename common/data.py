@@ -226,6 +226,20 @@ def split_by_period(pairs: list[dict], dev_fraction: float, seed: int,
     return {**rest, "dev_later": held["dev_later"], "test": held["test"]}
 
 
+def fold_of(group_id: str, folds: int) -> int:
+    """The cross-fitting fold (0..folds-1) of a post, from a hash of its id. Not a seeded shuffle: the
+    k judges of one cross-fit are k separate stage-03 runs, and each must cut the same folds whatever
+    its seed, max_train_examples or the order of the split's file, or a premise could end up trained
+    on by every judge. By post, so a post's pairs stay in one fold, as split_by_group keeps them in one split."""
+    return int.from_bytes(hashlib.sha256(str(group_id).encode()).digest()[:8], "big") % folds
+
+
+def cross_fit(rows: list[dict], folds: int, fold: int) -> tuple[list[dict], list[dict]]:
+    """(the rows of every other fold, the rows of `fold`), each in file order."""
+    kept = [r for r in rows if fold_of(r["group_id"], folds) != fold]
+    return kept, [r for r in rows if fold_of(r["group_id"], folds) == fold]
+
+
 def n_words(text: str) -> int:
     return len(text.split())
 

@@ -7,22 +7,29 @@ therefore also scores with `--judge_runs`, ideally a *held-out* judge: one train
 neither the policy (the train split of the eval's pairs run: SFT, GRPO, DPO) nor the scored premises
 come from. Stage 03 records the posts (group ids) it trained on, and the digests of their premise
 texts, in `train_posts.json`, an artifact of its run (so its digest is checked like the adapter's);
-stage 05 reads it back here.
+stage 05 reads it back here. A cross-fit's k judges (stage 03's cross_fit_folds), each trained on
+all but one fold of the scored split's posts, serve as one held-out judge (CrossFitScorer).
 """
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
-from common.data import premise_digest, read_json, write_json
+from common.config import RewardStageConfig, load_run_config, to_dict
+from common.data import fold_of, load_split, premise_digest, read_json, write_json
 from common.runs import RunError
 
 TRAIN_POSTS = "train_posts.json"
 
 
-def write_train_posts(run_dir: Path, split: str, rows: list[dict]) -> None:
-    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on, and the digests
-    of their premise texts (the same post under another id is the same premise)."""
-    write_json(Path(run_dir) / TRAIN_POSTS, {"split": split, "n_pairs": len(rows),
+def write_train_posts(run_dir: Path, split: str, rows: list[dict], train_also: list[str] = (),
+                      cross_fit: dict | None = None) -> None:
+    """Stage 03: the posts (premises' group ids) behind the pairs the judge trains on, all of them
+    (train_also's too), and the digests of their premise texts (the same post under another id is the
+    same premise); a cross-fit's judge also records its folds and the fold it left out."""
+    write_json(Path(run_dir) / TRAIN_POSTS, {"split": split, "train_also": list(train_also), "n_pairs": len(rows),
+                                             **({"cross_fit": cross_fit} if cross_fit else {}),
                                              "posts": sorted({r["group_id"] for r in rows}),
                                              "premises": sorted({premise_digest(r) for r in rows})})
 
@@ -68,10 +75,123 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
     return out
 
 
+# Fields the k runs of one cross-fit may differ in besides cross_fit_fold: where and under what name
+# each run was written and logged. Its pairs run is compared by lineage (a path may be spelled two ways).
+CROSS_FIT_FREE = {"cross_fit_fold", "run_name", "runs_dir", "resume", "report_to", "wandb_project", "wandb_group",
+                  "pairs_run"}
+
+
+class CrossFitScorer:
+    """The k stage-03 runs of one cross-fit (cross_fit_folds k, one run per fold) as one judge: each
+    premise is scored by the fold judge that did not train on its post (by post id and premise text,
+    from each run's train_posts.json), so no premise is scored by a judge that saw it, while together
+    they trained on the scored split's posts. A model's reply and the base's to one premise are
+    scored by the same fold judge, so win rates compare like with like. `score(prompts, replies)` as
+    RewardScorer's, for the premises it was built on; `load` loads the k judges, kept together."""
+
+    def __init__(self, runs: list[str], premises: list[dict], prompts: list[list[dict]], pairs_run: str,
+                 taken: dict):
+        """`prompts`: the premises' prompts as 05 gives them to the judges; `taken`: the other judges' names."""
+        configs = [load_run_config(path) for path in runs]
+        for path, config in zip(runs, configs):
+            if not isinstance(config, RewardStageConfig) or not config.cross_fit_folds:
+                raise RunError(f"--crossfit_judge_runs {path}: not a cross-fit's judge (a Reward run with "
+                               f"cross_fit_folds >= 2)")
+        order = sorted(range(len(runs)), key=lambda i: configs[i].cross_fit_fold)
+        by_fold, configs = [runs[i] for i in order], [configs[i] for i in order]
+        first, k = configs[0], configs[0].cross_fit_folds
+        for path, config in zip(by_fold[1:], configs[1:]):
+            ours = to_dict(config)
+            differ = [f for f, v in to_dict(first).items() if f not in CROSS_FIT_FREE and ours[f] != v]
+            lineage = {read_json(Path(p) / "manifest.json").get("pairs_run") for p in (by_fold[0], path)}
+            if differ or len(lineage) > 1:
+                what = f"'{differ[0]}'" if differ else "their pairs run"
+                raise RunError(f"--crossfit_judge_runs: {by_fold[0]} and {path} differ in {what}: the runs of one "
+                               f"cross-fit differ only in cross_fit_fold")
+        folds = [c.cross_fit_fold for c in configs]
+        twice = sorted({f for f in folds if folds.count(f) > 1})
+        missing = sorted(set(range(k)) - set(folds))
+        if twice or missing:
+            said = [f"fold {', '.join(map(str, missing))} missing"] * bool(missing) + \
+                [f"fold {', '.join(map(str, twice))} given twice"] * bool(twice)
+            raise RunError(f"--crossfit_judge_runs: a {k}-fold cross-fit takes one run per fold, 0 to {k - 1}: "
+                           f"{' and '.join(said)}")
+        self.runs, self.name = by_fold, f"{Path(by_fold[0]).name}_crossfit"
+        if self.name in taken:
+            raise RunError(f"--crossfit_judge_runs: its name {self.name} is another judge's run name")
+
+        # Route every prompt to a fold judge that trained on none of its premises: its own fold's when
+        # it can (the post's fold is the one that judge left out), else the first that can.
+        trained = [train_posts(p) for p in by_fold]
+        allowed, post = {}, {}
+        for premise, prompt in zip(premises, prompts):
+            key = json.dumps(prompt)  # premises cut to one prompt are one input to a judge
+            ok = {j for j, (posts, digests) in enumerate(trained)
+                  if premise["group_id"] not in posts and premise_digest(premise) not in digests}
+            allowed[key], post[key] = allowed.get(key, ok) & ok, post.get(key, premise["group_id"])
+        seen = sorted(post[key] for key, ok in allowed.items() if not ok)
+        if seen:
+            raise RunError(f"--crossfit_judge_runs: every judge of the cross-fit {self.name} trained on {len(seen)} "
+                           f"of the {len(premises)} premises it would score (e.g. post {seen[0]}): no judge of "
+                           f"the set may score them")
+        self.route = {key: fold_of(post[key], k) if fold_of(post[key], k) in ok else min(ok)
+                      for key, ok in allowed.items()}
+        scored = [self.route[json.dumps(p)] for p in prompts]
+        counts = {Path(p).name: scored.count(j) for j, p in enumerate(by_fold)}
+        posts = set().union(*(p for p, _ in trained))
+        shared = len(posts & {r["group_id"] for r in load_split(pairs_run, "train")})
+        self.info = {
+            "path": [str(Path(p).resolve()) for p in by_fold], "objective": first.judge_objective,
+            "backbone": first.judge_backbone, "model": first.judge_model_name_or_path or first.model_name_or_path,
+            "train_split": first.train_split, "train_also": first.train_also, "period": _period(first),
+            "role": "other" if shared else "held_out", "n_train_posts": len(posts), "posts_shared_with_policy": shared,
+            "posts_shared_with_scored_premises": 0, "cross_fit": {"folds": k, "premises_scored": counts},
+            "description": f"Cross-fitted: {k} judges of one recipe, each trained on all but one fold of the "
+                           f"{first.train_split} posts, and each premise scored by a judge that never trained on "
+                           f"its post (" + ", ".join(f"{n}: {c}" for n, c in counts.items()) +
+                           f" of the {len(prompts)} premises)."}
+        self.scorers = []
+
+    def load(self, batch_size: int = 8, packed: bool = True) -> "CrossFitScorer":
+        """A copy with its k judges loaded (freed with the copy: 05 holds one judge at a time)."""
+        from common.rewards import RewardScorer
+        loaded = copy.copy(self)
+        loaded.scorers = [RewardScorer.from_run(p, batch_size=batch_size, packed=packed) for p in self.runs]
+        return loaded
+
+    @property
+    def scoring(self) -> str:
+        return self.scorers[0].scoring
+
+    def fingerprints(self) -> dict:
+        """Each fold judge's `judge` fingerprint, by run name, as 05's manifest records its judges."""
+        return {Path(p).name: read_json(Path(p) / "manifest.json").get("judge") for p in self.runs}
+
+    def score(self, prompts: list[list[dict]], replies: list[str]) -> list[float]:
+        """One score per (prompt, reply), in input order, each from its prompt's fold judge."""
+        judge = [self.route[json.dumps(p)] for p in prompts]
+        scores = [0.0] * len(prompts)
+        for j, scorer in enumerate(self.scorers):
+            mine = [i for i, fold in enumerate(judge) if fold == j]
+            if not mine:
+                continue
+            for i, score in zip(mine, scorer.score([prompts[i] for i in mine], [replies[i] for i in mine])):
+                scores[i] = score
+        return scores
+
+
+def load_judge(source, batch_size: int = 8, packed: bool = True):
+    """A judge's scorer: a Reward run's (its path), or a cross-fit's (a CrossFitScorer, its k judges loaded)."""
+    if isinstance(source, CrossFitScorer):
+        return source.load(batch_size, packed)
+    from common.rewards import RewardScorer
+    return RewardScorer.from_run(source, batch_size=batch_size, packed=packed)
+
+
 def _period(config) -> str:
     """Which kind of held-out the judge's pairs run gives: posts of the same period as the policy's
     (split by post), or, split by period, the later posts (test) apart from the earlier ones."""
-    from common.config import ConfigError, load_run_config
+    from common.config import ConfigError
     from common.data import DataError
     try:
         split_by = load_run_config(config.pairs_run).split_by

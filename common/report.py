@@ -129,7 +129,8 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
            "spots; a judge it never trained against, on posts it never saw, checks that the gain is real."]
     for name, judge in judges.items():
         out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}), trained on the "
-                f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}.", "",
+                f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}." +
+                (f" {judge['description']}" if judge.get("description") else ""), "",
                 "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] | win rate vs SFT | "
                 "LC win rate vs SFT | words (mean) | distinct-2 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for model, r in results.items():
