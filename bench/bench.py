@@ -13,7 +13,7 @@ one repeated word, sized so that each example has the token length of a real Cha
 stand-in tokenizer is the tiny recipe's (2k ids), and generated ids beyond it decode as that word,
 so replies keep their length for the reward model. Results: results.json (and a table on stdout) under --out.
 
-The review task's shapes (not in the default --sections; bench/RESULTS.md "Review shapes"):
+The review task's shapes (not in the default --sections; bench/HISTORY.md "review shapes"):
 
     python bench/bench.py --out bench/out --sections review_sft,review_dpo,review_gen --deadline 480
 
