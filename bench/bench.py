@@ -9,11 +9,11 @@ configs (the fast settings). "trl" rows run the same model and data with TRL 1.1
 arguments (the pipeline before this bench: random batches, HF `generate`, 16 completions a step).
 Weights are random (no model hub): compute and memory are those of the real model. The text is
 one repeated word, sized so that each example has the token length of a real ChangeMyView example
-(bench/cmv_lengths.json, from words x 1.3, cut as the stages cut); the stand-in tokenizer is the
-tiny recipe's (2k ids), and generated ids beyond it decode as that word, so replies keep their
-length for the reward model. Results: results.json (and a table on stdout) under --out.
+(bench/results/2026-11-30_5e9908e/cmv_lengths.json, from words x 1.3, cut as the stages cut); the
+stand-in tokenizer is the tiny recipe's (2k ids), and generated ids beyond it decode as that word,
+so replies keep their length for the reward model. Results: results.json (and a table on stdout) under --out.
 
-The review task's shapes (not in the default --sections; bench/RESULTS.md "Review shapes"):
+The review task's shapes (not in the default --sections; bench/HISTORY.md "review shapes"):
 
     python bench/bench.py --out bench/out --sections review_sft,review_dpo,review_gen --deadline 480
 
@@ -65,7 +65,7 @@ from common.tasks import cmv  # noqa: E402
 from common.trl_compat import attn_implementation  # noqa: E402
 
 TINY_MODEL = REPO / ".cache" / "models" / "tiny-llama3"
-LENGTHS = REPO / "bench" / "cmv_lengths.json"
+LENGTHS = REPO / "bench" / "results" / "2026-11-30_5e9908e" / "cmv_lengths.json"  # the lengths every run measured on
 GIB = 2 ** 30
 MODEL_LORA_DROPOUT = 0.05  # the models are loaded once, with ModelArgs' default; rows set their own (lever)
 PROFILE_DIR: Path | None = None  # --profile: where each training row's kernel table goes
@@ -1212,7 +1212,7 @@ def main(argv=None):
                     "torch.profiler: a kernel table per row under --out/profiles (the rows' own timings then "
                     "include the profiler's overhead: use them for shares, not for speed)")
     ap.add_argument("--deadline", type=float, default=540, help="seconds: later measurements are skipped")
-    ap.add_argument("--make_lengths", action="store_true", help="rewrite bench/cmv_lengths.json and exit")
+    ap.add_argument("--make_lengths", action="store_true", help=f"rewrite {LENGTHS.relative_to(REPO)} and exit")
     args = ap.parse_args(argv)
     if args.make_lengths:
         make_lengths()

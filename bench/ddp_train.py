@@ -130,7 +130,8 @@ def measure_grpo(args, world: int, rank: int) -> dict:
     the shared-prompt update), data parallel: each rank samples, scores and trains on its share of a
     step. The recipe's 64 completions a step are kept over all ranks (gradient accumulation divided by
     the ranks), so the step count of 1,000 premises does not change with the GPUs. Prompts have real
-    ChangeMyView lengths (bench/cmv_lengths.json) in one repeated word, as in bench.py."""
+    ChangeMyView lengths (bench/results/2026-11-30_5e9908e/cmv_lengths.json) in one repeated word, as in
+    bench.py."""
     import importlib.util
     import random
 
@@ -154,7 +155,7 @@ def measure_grpo(args, world: int, rank: int) -> dict:
     per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * world
     tokenizer = load_tokenizer(config)
     tokenizer.padding_side = "left"
-    lengths = json.loads((REPO / "bench" / "cmv_lengths.json").read_text())["prompts"]
+    lengths = json.loads((REPO / "bench" / "results" / "2026-11-30_5e9908e" / "cmv_lengths.json").read_text())["prompts"]
     lengths = random.Random(4).sample(lengths, min(len(lengths), 256))
     prompts = Dataset.from_list([{"prompt": fit_prompt(tokenizer, [{"role": "user", "content": "the" + " the" * n}],
                                                        config.max_prompt_tokens)} for n in lengths])

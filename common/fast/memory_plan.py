@@ -37,7 +37,7 @@ log = logging.getLogger("pipeline")
 GIB = 2 ** 30
 SAFETY = 1.1  # the activations' estimate times this: the allocator's slack
 BUDGET_SHARE = 0.9  # memory_budget_gib 0: this share of the GPU's memory
-# Measured on the 8B shape (bench/RESULTS.md, "levers chosen by the GPU's memory"), in units of
+# Measured on the 8B shape (bench/HISTORY.md, "levers chosen by the GPU's memory"), in units of
 # `activation_bytes`' layer: a layer that keeps its activations held up to 1.45 of them (20,480 tokens in
 # one sequence, cuDNN attention; shorter real-length batches held less); while a checkpointed layer is
 # recomputed, its activations and the gradients backward carries through it held 1.3 beside the kept
