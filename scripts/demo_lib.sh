@@ -9,6 +9,34 @@ start=$(date +%s)
 
 stage() {
   local out
-  out=$("$PY" "$@" --runs_dir "$RUNS_DIR" | tee /dev/stderr) || exit 1
+  # tee >(cat >&2), not tee /dev/stderr: reopening a stderr that is a file would truncate the log
+  out=$("$PY" "$@" --runs_dir "$RUNS_DIR" | tee >(cat >&2)) || exit 1
   grep '^run_dir: ' <<<"$out" | tail -1 | cut -d' ' -f2-
+}
+
+# `background NAME SCRIPT ARGS...` runs a stage in the background, its output in $LOGS/NAME.log and,
+# once it has finished, its run directory in $LOGS/NAME.dir; `wait_for_all` waits for every one and
+# stops the script, showing the log's end, when one failed (`wait_for_all --allow_failures` only
+# names them).
+background() {
+  local name=$1; shift
+  rm -f "$LOGS/$name.dir"
+  ( "$PY" "$@" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 \
+    && grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir" ) &
+  BACKGROUND+=("$name")
+}
+BACKGROUND=()
+
+wait_for_all() {
+  wait
+  local name failed=0
+  for name in "${BACKGROUND[@]}"; do
+    if [[ ! -s "$LOGS/$name.dir" ]]; then
+      echo "stage $name failed; the end of $LOGS/$name.log:" >&2
+      tail -5 "$LOGS/$name.log" >&2
+      failed=1
+    fi
+  done
+  BACKGROUND=()
+  [[ $failed == 0 || ${1:-} == --allow_failures ]] || exit 1
 }

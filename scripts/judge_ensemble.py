@@ -2,12 +2,12 @@
 
     .venv/bin/python scripts/judge_ensemble.py runs/Nov30_Reward_Run1 runs/Nov30_Reward_Run2
 
-Both finished stage-03 runs must be on the same pairs run. Each judge scores the dev and test pairs;
-its scores are standardised with the mean and sd of its own dev scores (a pairwise judge's margins
+Both finished stage-03 runs must be on the same pairs run. Each judge scores the dev_later and test pairs;
+its scores are standardised with the mean and sd of its own dev_later scores (a pairwise judge's margins
 and a pointwise judge's logits are on different scales), and the ensemble's score is the mean of the
 two. Prints, as JSON, each judge's and the ensemble's accuracy with a 95% bootstrap interval per
-split, and the paired bootstrap interval of the ensemble's gain over the better single judge (on dev). The
-choice is made on dev; test is the number to report.
+split, and the paired bootstrap interval of the ensemble's gain over the better single judge (on dev_later). The
+choice is made on dev_later; test is the number to report.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main(runs: list[str]) -> dict:
     if len(runs) != 2 or len(pairs_runs) != 1:
         raise SystemExit("error: give two finished Reward runs of the same pairs run")
     pairs_run = pairs_runs.pop()
-    splits = {s: load_split(pairs_run, s) for s in ("dev", "test")}
+    splits = {s: load_split(pairs_run, s) for s in ("dev_later", "test")}
     scores = {}  # run -> split -> (chosen, rejected)
     for run in runs:
         judge = RewardScorer.from_run(run, batch_size=32)
@@ -46,11 +46,11 @@ def main(runs: list[str]) -> dict:
             correct[Path(run).name] = wins(c, r)
         z = []
         for run in runs:
-            dev = np.concatenate(scores[run]["dev"])
+            dev = np.concatenate(scores[run]["dev_later"])
             c, r = scores[run][split]
             z.append(((c - dev.mean()) / dev.std(), (r - dev.mean()) / dev.std()))
         correct["ensemble"] = wins((z[0][0] + z[1][0]) / 2, (z[0][1] + z[1][1]) / 2)
-        if split == "dev":  # the better single judge is chosen on dev, like the ensemble
+        if split == "dev_later":  # the better single judge is chosen on dev_later, like the ensemble
             best = max(out["runs"], key=lambda n: correct[n].mean())
         out[split] = {name: {"accuracy": float(v.mean()), "accuracy_ci95": bootstrap_ci(v)} for name, v in correct.items()}
         out[split]["ensemble_gain_over_best"] = {"best": best, "gain": float((correct["ensemble"] - correct[best]).mean()),

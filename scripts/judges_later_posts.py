@@ -1,14 +1,15 @@
-"""The two steps of scripts/judges_later_posts.sh that are not stages.
+"""The steps of scripts/judges_later_posts.sh that are not stages.
 
-    python scripts/judges_later_posts.py best2 NAME=REWARD_RUN ...     # the two judges best on dev
+    python scripts/judges_later_posts.py best2 NAME=REWARD_RUN ...     # the two judges best on dev_later
+    python scripts/judges_later_posts.py best NAME=REWARD_RUN ...      # prints `best: NAME RUN`
     python scripts/judges_later_posts.py summary OUT_DIR NAME=REWARD_RUN ... --ensemble ENSEMBLE_JSON
 
-`best2` prints the run directories of the two judges with the highest dev (in-period) accuracy: the
-choice is made on dev, never on the later posts of test. `summary` writes OUT_DIR/judges_later_posts.json:
-for each judge (and the ensemble of scripts/judge_ensemble.py), its run, its accuracy with a 95%
-interval on dev (in-period) and test (later posts), the length-only and bag-of-words baselines on each
-(from its judge_audit.json), and whether its test interval lies above 0.5 and above bag-of-words.
-An early-stopped judge chose its epoch on dev: its dev accuracy is optimistic, its test one is not.
+Every choice is made on dev_later (later posts that are not the test), never on test. `summary` writes
+OUT_DIR/judges_later_posts.json: for each judge (and the ensemble of scripts/judge_ensemble.py), its
+run, its accuracy with a 95% interval on dev_later, dev (in-period) and test, the length-only and
+bag-of-words baselines on each (from its judge_audit.json: fitted on the same train pairs), `default:
+true` on the single judge best on dev_later (the one the recipes use: stages 04 and 05 take one judge
+run), `baselines` (both, per split), and whether the default meets the targets on test.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import read_json, write_json  # noqa: E402
 
-SPLITS = {"dev": "in-period", "test": "later posts"}
+SPLITS = {"dev_later": "later posts (where judges are chosen)", "dev": "in-period", "test": "later posts"}
 
 
 def _named(items: list[str]) -> dict[str, Path]:
@@ -48,25 +49,36 @@ def meets_target(row: dict) -> bool:
     return test["accuracy_ci95"][0] > max(0.5, test["bag_of_words"])
 
 
-def best2(items: list[str]) -> list[Path]:
+def ranked(items: list[str]) -> list[tuple[str, Path]]:
     runs = _named(items)
-    return sorted(runs.values(), key=lambda r: -judge_row(r)["dev"]["accuracy"])[:2]
+    return sorted(runs.items(), key=lambda item: -judge_row(item[1])["dev_later"]["accuracy"])
+
+
+def best2(items: list[str]) -> list[Path]:
+    return [run for _, run in ranked(items)[:2]]
 
 
 def summary(out_dir: Path, items: list[str], ensemble: Path | None) -> dict:
     judges = {name: judge_row(run) for name, run in _named(items).items()}
-    out = {"splits": SPLITS, "judges": judges}
+    default = ranked(items)[0][0]
+    judges[default]["default"] = True
+    out = {"splits": SPLITS, "chosen_on": "dev_later", "judges": judges,
+           "baselines": {name: {split: judges[default][split][name] for split in SPLITS}
+                         for name in ("bag_of_words", "length_only")}}
     if ensemble:
         made = read_json(ensemble)
         first = next(row for row in judges.values() if row["run"] == made["runs"][0])
         out["judges"]["ensemble"] = {
-            "runs": made["runs"],  # the baselines: the same train pairs, dev and test as its judges
+            "runs": made["runs"],  # the baselines: the same train pairs, dev_later and test as its judges
             **{split: {**made[split]["ensemble"], "period": first[split]["period"],
                        "n_pairs": first[split]["n_pairs"], "length_only": first[split]["length_only"],
-                       "bag_of_words": first[split]["bag_of_words"]} for split in SPLITS},
-            "gain_over_best_on_dev": made["dev"]["ensemble_gain_over_best"]}
+                       "bag_of_words": first[split]["bag_of_words"]} for split in ("dev_later", "test")},
+            "gain_over_best_on_dev_later": made["dev_later"]["ensemble_gain_over_best"]}
     for row in out["judges"].values():
         row["meets_target_on_later_posts"] = meets_target(row)
+    test = judges[default]["test"]
+    out["targets"] = {"default_test_interval_above_bag_of_words": test["accuracy_ci95"][0] > test["bag_of_words"],
+                      "default_test_mean_at_least_0.65": test["accuracy"] >= 0.65}
     write_json(Path(out_dir) / "judges_later_posts.json", out)
     return out
 
@@ -76,13 +88,18 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     pick = sub.add_parser("best2")
     pick.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
+    one = sub.add_parser("best")
+    one.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     summ = sub.add_parser("summary")
     summ.add_argument("out_dir", type=Path)
     summ.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     summ.add_argument("--ensemble", type=Path)
     args = parser.parse_args(argv)
     if args.command == "best2":
-        print(" ".join(map(str, best2(args.judges))))
+        print("\n".join(map(str, best2(args.judges))))
+    elif args.command == "best":
+        name, run = ranked(args.judges)[0]
+        print(f"best: {name} {run}")
     else:
         summary(args.out_dir, args.judges, args.ensemble)
 

@@ -1,64 +1,164 @@
-"""The summary of scripts/persuasion_real_weights.sh.
+"""The steps of scripts/persuasion_real_weights.sh that are not stages.
 
-    python scripts/persuasion_real_weights.py EVAL_RUN OUT_DIR
+    python scripts/persuasion_real_weights.py decoding OUT_DIR NAME=EVAL_RUN ...   # prints the chosen decoding
+    python scripts/persuasion_real_weights.py rising NAME=GRPO_RUN ...             # GRPO runs, most risen first
+    python scripts/persuasion_real_weights.py summary EVAL_RUN OUT_DIR NAME=GRPO_RUN ...
 
-Writes OUT_DIR/persuasion_real_weights.json: for each model (base, sft, grpo, dpo, orpo) and each
-judge (the training judge, the held-out one), the mean reward, the win rate and length-controlled
-win rate vs the base and vs SFT with 95% intervals, reply words and distinct-2, `n`; for each judge
-its accuracy on the test pairs with its interval beside length-only and bag-of-words (its
-judge_audit.json); the GRPO run's per-step reward and reward-hacking watch; and the report's verdict
-lines (a gain under the training judge that the held-out judge does not confirm, or that length
-explains).
+`decoding` reads stage-05 runs on the dev premises, one per decoding (base and SFT, the training judge),
+writes OUT_DIR/persuasion_decoding_sweep.json and prints the chosen decoding's arguments. The rule: the
+decodings whose replies loop least (the lowest looped share of base and SFT, within 0.02 of the best),
+and among them the highest training-judge reward averaged over base and SFT. `rising` orders GRPO runs
+by how far their own reward rose: the mean of the last quarter of steps minus the first quarter's, in
+units of its standard error (the step-to-step sd), a training signal, never a test score.
+`summary` writes OUT_DIR/persuasion_real_weights.json: `models` (every model of the eval with `n`,
+looped_share, premise_copy_share, distinct_2, reply words, and per judge its reward and win rates vs
+the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
+pairs beside both baselines), the verdict lines, each GRPO run's reward curve and the rise, and the
+plot persuasion_grpo_rewards.png.
 """
 from __future__ import annotations
 
+import argparse
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import read_json, write_json  # noqa: E402
-from common.judges import gain_lines  # noqa: E402
 
 KEYS = ("reward_mean", "win_rate_vs_base", "win_rate_vs_base_ci95", "lc_win_rate_vs_base", "lc_win_rate_vs_base_ci95",
         "win_rate_vs_sft", "win_rate_vs_sft_ci95", "lc_win_rate_vs_sft", "lc_win_rate_vs_sft_ci95")
+SHAPE = ("looped_share", "premise_copy_share", "distinct_2", "reply_words_mean")
+DECODING = ("temperature", "repetition_penalty", "no_repeat_ngram_size")
 
 
-def judge_on_test(run: Path) -> dict:
-    """The judge's accuracy on the test pairs (those stage 05's premises come from) and both baselines."""
-    audit = read_json(run / "judge_audit.json")
+def _named(items: list[str]) -> dict[str, Path]:
+    return {name: Path(run) for name, _, run in (item.partition("=") for item in items)}
+
+
+def decoding(out_dir: Path, items: list[str]) -> str:
+    rows = {}
+    for name, run in _named(items).items():
+        results, config = read_json(run / "eval.json"), read_json(run / "manifest.json")["decoding"]
+        rows[name] = {"run": run.name, **{k: config[k] for k in DECODING},
+                      **{f"{model}_{k}": results[model][k] for model in ("base", "sft") for k in SHAPE},
+                      **{f"{model}_reward_mean": results[model]["reward_mean"] for model in ("base", "sft")},
+                      "sft_win_rate_vs_base": results["sft"]["win_rate_vs_base"]}
+    looped = {n: max(r["base_looped_share"], r["sft_looped_share"]) for n, r in rows.items()}
+    calm = [n for n in rows if looped[n] <= min(looped.values()) + 0.02]
+    chosen = max(calm, key=lambda n: (rows[n]["base_reward_mean"] + rows[n]["sft_reward_mean"]) / 2)
+    write_json(Path(out_dir) / "persuasion_decoding_sweep.json", {"split": "dev", "chosen": chosen, "decodings": rows})
+    c = rows[chosen]
+    return (f"--temperature {c['temperature']} --repetition_penalty {c['repetition_penalty']} "
+            f"--no_repeat_ngram_size {c['no_repeat_ngram_size']}")
+
+
+def rise(run: Path) -> dict:
+    """The GRPO run's own reward per step, and how far it rose beyond its step-to-step noise."""
+    steps = [s["reward_mean"] for s in read_json(run / "metrics.json").get("per_step") or [] if s["reward_mean"] is not None]
+    q = max(1, len(steps) // 4)
+    if len(steps) < 4:
+        return {"rewards": steps, "rise": None, "rise_in_se": None}
+    diffs = [b - a for a, b in zip(steps, steps[1:])]
+    sd = math.sqrt(sum(d * d for d in diffs) / len(diffs) / 2)  # a step's own noise (differences have twice it)
+    gain = sum(steps[-q:]) / q - sum(steps[:q]) / q
+    return {"rewards": steps, "rise": gain, "rise_in_se": gain / (sd * math.sqrt(2 / q)) if sd else None}
+
+
+def rising(items: list[str]) -> list[Path]:
+    runs = _named(items)
+    return sorted(runs.values(), key=lambda r: -(rise(r)["rise_in_se"] or -math.inf))
+
+
+def judge_on_test(path: Path | None, info: dict) -> dict:
+    """The judge's accuracy on the test pairs (those stage 05's premises come from) and both baselines. A
+    cross-fit's folds each report their left-out fold: pooled, with a Wilson interval."""
+    if path is None:
+        folds = [Path(p) for p in info["path"]]
+        n = correct = 0
+        for fold in folds:
+            audit = read_json(fold / "judge_audit.json")
+            split = next(s for s in audit["other_splits"] if s.startswith("test_fold"))
+            n += audit["other_splits"][split]["n_pairs"]
+            correct += audit["other_splits"][split]["accuracy"] * audit["other_splits"][split]["n_pairs"]
+        return {"runs": [f.name for f in folds], "n_pairs": n, "accuracy": correct / n if n else None,
+                "accuracy_ci95": _wilson(correct, n), "interval": "Wilson, pooled over the folds"}
+    audit = read_json(path / "judge_audit.json")
     judged = audit["judge"] if audit["split"] == "test" else audit["other_splits"]["test"]
-    return {"run": run.name, "train_split": read_json(run / "metrics.json").get("train_split"),
+    return {"run": path.name, "train_split": read_json(path / "metrics.json").get("train_split"),
             "n_pairs": judged["n_pairs"], "accuracy": judged["accuracy"], "accuracy_ci95": judged["accuracy_ci95"],
-            "length_only": audit["baselines"]["length_only"]["test_accuracy"],
-            "bag_of_words": audit["baselines"]["bag_of_words"]["test_accuracy"]}
+            "length_only": audit["baselines"]["length_only"].get("test_accuracy"),
+            "bag_of_words": audit["baselines"]["bag_of_words"].get("test_accuracy")}
 
 
-def summary(eval_run: Path, out: Path) -> dict:
-    manifest, results = read_json(eval_run / "manifest.json"), read_json(eval_run / "eval.json")
+def _wilson(correct: float, n: int) -> list[float] | None:
+    if not n:
+        return None
+    p, z = correct / n, 1.96
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [centre - half, centre + half]
+
+
+def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
+    manifest, results, metrics = (read_json(eval_run / f) for f in ("manifest.json", "eval.json", "metrics.json"))
     judges = results["judges"]
     paths = {Path(v["path"]).name: Path(v["path"]) for k, v in manifest["inputs"].items()
              if k == "reward_run" or k.startswith("judge_runs")}
     models = [n for n in results if isinstance(results[n], dict) and "by_judge" in results[n]]
-    policies = [Path(v["path"]) for k, v in manifest["inputs"].items() if k.startswith("policy_runs")]
-    grpo = next((p for p in policies if read_json(p / "manifest.json")["stage"] == "GRPO"), None)
+    curves = {name: {"run": run.name, **rise(run)} for name, run in _named(grpo_items).items()}
     data = {"eval_run": eval_run.name, "commit": manifest.get("git", {}).get("commit"),
-            "n_premises": results[models[0]]["n"],
-            "judges": {name: {"role": j["role"], **judge_on_test(paths[name])} for name, j in judges.items()},
-            "models": {m: {"n": results[m]["n"], "reply_words_mean": results[m]["reply_words_mean"],
-                           "distinct_2": results[m].get("distinct_2"), "bleu4": results[m]["bleu4"],
-                           "rougeL": results[m]["rougeL"],
+            "n_premises": results[models[0]]["n"], "decoding": manifest.get("decoding"),
+            "best_of_n": manifest.get("best_of_n"), "verdict": metrics.get("verdict"),
+            "judges": {name: {"role": j["role"], **judge_on_test(paths.get(name), j)} for name, j in judges.items()},
+            "models": {m: {"n": results[m]["n"], **{k: results[m][k] for k in SHAPE},
+                           "bleu4": results[m]["bleu4"], "rougeL": results[m]["rougeL"],
                            "by_judge": {j: {k: v for k, v in results[m]["by_judge"][j].items() if k in KEYS}
                                         for j in judges}} for m in models},
-            "grpo_per_step": read_json(grpo / "metrics.json").get("per_step") if grpo else None,
-            "verdict": gain_lines({m: results[m] for m in models}, judges)}
+            "grpo_recipes": curves}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "persuasion_real_weights.json", data)
+    plot_rewards(curves, out / "persuasion_grpo_rewards.png")
     print(f"summary: {(out / 'persuasion_real_weights.json').resolve()}")
     return data
 
 
+def plot_rewards(curves: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, curve in curves.items():
+        label = name + (f" (rise {curve['rise_in_se']:+.1f} se)" if curve["rise_in_se"] is not None else "")
+        ax.plot(range(1, len(curve["rewards"]) + 1), curve["rewards"], label=label)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("training judge's mean reward on the rollouts")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    dec = sub.add_parser("decoding")
+    dec.add_argument("out_dir", type=Path)
+    dec.add_argument("runs", nargs="+", metavar="NAME=EVAL_RUN")
+    up = sub.add_parser("rising")
+    up.add_argument("runs", nargs="+", metavar="NAME=GRPO_RUN")
+    summ = sub.add_parser("summary")
+    summ.add_argument("eval_run", type=Path)
+    summ.add_argument("out_dir", type=Path)
+    summ.add_argument("runs", nargs="*", metavar="NAME=GRPO_RUN")
+    args = parser.parse_args(argv)
+    if args.command == "decoding":
+        print(decoding(args.out_dir, args.runs))
+    elif args.command == "rising":
+        print("\n".join(map(str, rising(args.runs))))
+    else:
+        summary(args.eval_run, args.out_dir, args.runs)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    summary(Path(sys.argv[1]), Path(sys.argv[2]))
+    main()

