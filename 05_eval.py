@@ -21,6 +21,16 @@ but not under a held-out one (common/judges.py). The task
 adds its own metrics (review: the rating parsed from each review against the reviewers' mean, with
 a constant and a human baseline). Writes eval.json, replies.jsonl, histograms (PNG, also to W&B)
 and a readable report.md.
+
+Other inputs (common/eval_inputs.py): `--eval_data FILE...` scores rows of the task's source format
+instead of the test split, read as stage 01 reads them (a row whose post or paper is in the pairs
+run's train or dev split is refused, or dropped with `--skip_overlap true`); `--replies_from EVAL_RUN`
+scores that finished run's replies again with the judges given, generating nothing.
+
+    python 05_eval.py --config configs/smol/review/05_eval.yaml --pairs_run runs/Dec01_Pairs_Run2 \
+        --sft_run runs/Dec01_SFT_Run2 --eval_data other_papers.jsonl.gz
+    python 05_eval.py --config configs/smol/05_eval.yaml --replies_from runs/Nov30_Eval_Run1 \
+        --judge_runs runs/Nov30_Reward_Run3
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from common import fast
+from common import eval_inputs, fast
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
@@ -53,10 +63,12 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs (all finished, all on this base, all descended from --pairs_run:
     #    the held-out premises below were never trained on; other judges, --judge_runs, may come from
     #    another pairs run of the task).
+    config = eval_inputs.source_settings(config, overrides)  # --replies_from: that run's premises and decoding
     set_seed(config.seed)
     inputs = {"pairs_run": config.pairs_run, "reward_run": config.reward_run, "sft_run": config.sft_run,
               **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)},
-              **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)}}
+              **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)},
+              **eval_inputs.input_files(config)}  # --eval_data files (with their sha256), --replies_from
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
     adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
@@ -65,6 +77,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 2. Held-out premises: one per original post or paper, with its real replies as references.
     tokenizer = load_tokenizer(config)
     premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
+    if config.eval_data:  # other posts or papers instead, none of the train or dev split's (common/eval_inputs.py)
+        premises, run.manifest["eval_data"] = eval_inputs.premises_from_files(config, task)
     if not premises:
         raise DataError(f"{config.pairs_run}: its {config.split} split holds no premises to score")
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
@@ -84,26 +98,30 @@ def main(config: EvalConfig, overrides: dict) -> None:
     #    that never wrote one still has a rating; reading all_windows reads it on every window too.
     replies, readouts, speed = {}, {}, {}
     names = list(adapters)
-    model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
-                       adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
-    for name in names[1:]:
-        model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
-    run.manifest["decoding"] = config.decoding()
-    run.manifest["backends"] = fast.backends(config, [], **decoder_backends(model, config.fast_paths,
-                                                                             config.generation_weights), judge_scoring={})
-    windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
-        if task.READOUT_SCALE and config.reading == "all_windows" else None
-    for name in (["base"] if config.evaluate_base else []) + names:
-        if name != "base":
-            model.set_adapter(name)
-        with model.disable_adapter() if name == "base" else contextlib.nullcontext():
-            started = time.perf_counter()
-            replies[name] = generate_replies(model, tokenizer, prompts, config.max_new_tokens, config.batch_size,
-                                             **config.decoding())
-            speed[name] = generation_speed(tokenizer, replies[name], time.perf_counter() - started)
-            if task.READOUT_SCALE:
-                readouts[name] = rating_readouts(model, tokenizer, task, prompts, replies[name], windows)
-    del model
+    if config.replies_from:  # nothing generated: that run's replies, read back (common/eval_inputs.py)
+        replies, readouts, speed = eval_inputs.read_replies(run, premises, task)
+        windows = bool(task.READOUT_SCALE) and config.reading == "all_windows"
+    else:
+        model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
+                           adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
+        for name in names[1:]:
+            model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
+        run.manifest["decoding"] = config.decoding()
+        run.manifest["backends"] = fast.backends(config, [], **decoder_backends(model, config.fast_paths,
+                                                                                 config.generation_weights), judge_scoring={})
+        windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
+            if task.READOUT_SCALE and config.reading == "all_windows" else None
+        for name in (["base"] if config.evaluate_base else []) + names:
+            if name != "base":
+                model.set_adapter(name)
+            with model.disable_adapter() if name == "base" else contextlib.nullcontext():
+                started = time.perf_counter()
+                replies[name] = generate_replies(model, tokenizer, prompts, config.max_new_tokens, config.batch_size,
+                                                 **config.decoding())
+                speed[name] = generation_speed(tokenizer, replies[name], time.perf_counter() - started)
+                if task.READOUT_SCALE:
+                    readouts[name] = rating_readouts(model, tokenizer, task, prompts, replies[name], windows)
+        del model
 
     # 4. Score: overlap with the real replies; the judge (when given): reward, win rates against the
     #    base (plain and length-controlled); the task's own metrics (review: ratings, baselines).
@@ -157,6 +175,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
                                           if config.judge_runs else [])
+    sections = eval_inputs.report_lines(run.manifest, task.NOUNS) + sections  # what was scored, when not the split
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,
                           reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})" +
