@@ -31,20 +31,26 @@ def cmv(tiny_model, pairs_run, tmp_path_factory) -> dict:
     new_judge = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
                                      "--pairs_run", pairs_run, "--judge_objective", "pointwise", "--train_split", "dev",
                                      "--audit_split", "test", "--run_name", "New_Judge", *common))
-    return {"pairs": pairs_run, "sft": sft, "reward": reward, "eval": source, "new_judge": new_judge, "runs": runs}
+    # a judge that trained on the posts scored: the test split's first ones
+    test_judge = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
+                                      "--pairs_run", pairs_run, "--train_split", "test", "--audit_split", "dev",
+                                      "--run_name", "Test_Posts_Judge", *common))
+    # another file of posts: the bundled rows of the test split's first three posts
+    posts = list(dict.fromkeys(row["group_id"] for row in load_split(pairs_run, "test")))[:3]
+    with gzip.open("data/cmv/cmv_pairs.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [row for row in map(json.loads, f) if row["op_id"] in posts]
+    other = runs / "other_posts.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"pairs": pairs_run, "sft": sft, "reward": reward, "eval": source, "new_judge": new_judge,
+            "test_judge": test_judge, "other": other, "other_rows": rows, "runs": runs}
 
 
 def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_eval_data_scores_another_file_of_posts(cmv, tmp_path):
-    held_out = {row["group_id"] for row in load_split(cmv["pairs"], "test")}
-    with gzip.open("data/cmv/cmv_pairs.jsonl.gz", "rt", encoding="utf-8") as f:
-        rows = [row for row in map(json.loads, f) if row["op_id"] in held_out]
-    posts = sorted({row["op_id"] for row in rows})[:3]
-    other = tmp_path / "other_posts.jsonl"
-    other.write_text("".join(json.dumps(r) + "\n" for r in rows if r["op_id"] in posts))
+def test_eval_data_scores_another_file_of_posts(cmv):
+    other, rows = cmv["other"], cmv["other_rows"]
     run = run_dir_of(run_stage("05_eval.py", "--config", EVAL, "--pairs_run", cmv["pairs"], "--reward_run",
                                cmv["reward"], "--sft_run", cmv["sft"], "--eval_data", other, "--runs_dir", cmv["runs"]))
     replies = _lines(run / "replies.jsonl")
@@ -54,7 +60,7 @@ def test_eval_data_scores_another_file_of_posts(cmv, tmp_path):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["inputs"]["eval_data[0]"]["sha256"] == hashlib.sha256(other.read_bytes()).hexdigest()
     (counts,) = manifest["eval_data"]["files"]
-    assert counts["n_input_rows"] == sum(r["op_id"] in posts for r in rows) and manifest["eval_data"]["n_premises"] == 3
+    assert counts["n_input_rows"] == len(rows) and manifest["eval_data"]["n_premises"] == 3
     assert "--eval_data" in (run / "report.md").read_text()
 
 
@@ -92,3 +98,15 @@ def test_replies_from_refuses_a_changed_replies_file_and_changed_decoding(cmv, t
                          tmp_path / "runs", "--replies_from", *flags, check=False)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-1000:]
+
+
+def test_a_judge_trained_on_a_scored_premise_is_refused_on_other_files_and_on_replies_read_back(cmv, tmp_path):
+    judge = cmv["test_judge"]
+    for inputs in (["--pairs_run", cmv["pairs"], "--sft_run", cmv["sft"], "--eval_data", cmv["other"]],
+                   ["--replies_from", cmv["eval"]]):
+        proc = run_stage("05_eval.py", "--config", EVAL, *inputs, "--judge_runs", judge, "--runs_dir", tmp_path,
+                         check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: --judge_runs {judge}: judge {judge.name} trained on ") and \
+            "premises it would score" in line, line
