@@ -164,7 +164,7 @@ def report_lines(manifest: dict, nouns: dict) -> list[str]:
     if source:
         lines += [f"Nothing was generated: the replies are those of eval run {source['run_name']} "
                   f"(`{source['path']}`), read back and scored by this run's judges."]
-    return ["", "## Data", "", *lines] if lines else []
+    return ["", "## Data", *(part for line in lines for part in ("", line))] if lines else []
 
 
 def _counts(counts: dict) -> str:
