@@ -21,6 +21,16 @@ but not under a held-out one (common/judges.py). The task
 adds its own metrics (review: the rating parsed from each review against the reviewers' mean, with
 a constant and a human baseline). Writes eval.json, replies.jsonl, histograms (PNG, also to W&B)
 and a readable report.md.
+
+Other inputs (common/eval_inputs.py): `--eval_data FILE...` scores rows of the task's source format
+instead of the test split, read as stage 01 reads them (a row whose post or paper is in the pairs
+run's train or dev split is refused, or dropped with `--skip_overlap true`); `--replies_from EVAL_RUN`
+scores that finished run's replies again with the judges given, generating nothing.
+
+    python 05_eval.py --config configs/smol/review/05_eval.yaml --pairs_run runs/Dec01_Pairs_Run2 \
+        --sft_run runs/Dec01_SFT_Run2 --eval_data other_papers.jsonl.gz
+    python 05_eval.py --config configs/smol/05_eval.yaml --replies_from runs/Nov30_Eval_Run1 \
+        --judge_runs runs/Nov30_Reward_Run3
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from common import fast
+from common import eval_inputs, fast
 from common.best_of_n import keep_best
 from common.cli import cli
 from common.config import EvalConfig, load_run_config
@@ -53,11 +63,13 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 1. Seed, run directory, inputs (all finished, all on this base, all descended from --pairs_run:
     #    the held-out premises below were never trained on; other judges, --judge_runs, may come from
     #    another pairs run of the task).
+    config = eval_inputs.source_settings(config, overrides)  # --replies_from: that run's premises and decoding
     set_seed(config.seed)
     inputs = {"pairs_run": config.pairs_run, "reward_run": config.reward_run, "sft_run": config.sft_run,
               **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)},
               **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)},
-              **{f"crossfit_judge_runs[{i}]": path for i, path in enumerate(config.crossfit_judge_runs)}}
+              **{f"crossfit_judge_runs[{i}]": path for i, path in enumerate(config.crossfit_judge_runs)},
+              **eval_inputs.input_files(config)}  # --eval_data files (with their sha256), --replies_from
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
     adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
@@ -66,6 +78,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 2. Held-out premises: one per original post or paper, with its real replies as references.
     tokenizer = load_tokenizer(config)
     premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
+    if config.eval_data:  # other posts or papers instead, none of the train or dev split's (common/eval_inputs.py)
+        premises, run.manifest["eval_data"] = eval_inputs.premises_from_files(config, task)
     if not premises:
         raise DataError(f"{config.pairs_run}: its {config.split} split holds no premises to score")
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
@@ -91,40 +105,44 @@ def main(config: EvalConfig, overrides: dict) -> None:
     #    that never wrote one still has a rating; reading all_windows reads it on every window too.
     replies, readouts, speed = {}, {}, {}
     names = list(adapters)
-    model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
-                       adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
-    for name in names[1:]:
-        model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
-    run.manifest["decoding"] = config.decoding()
-    run.manifest["backends"] = fast.backends(config, [], **decoder_backends(model, config.fast_paths,
-                                                                             config.generation_weights), judge_scoring={})
-    windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
-        if task.READOUT_SCALE and config.reading == "all_windows" else None
-    for name in (["base"] if config.evaluate_base else []) + names:
-        if name != "base":
-            model.set_adapter(name)
-        with model.disable_adapter() if name == "base" else contextlib.nullcontext():
-            started = time.perf_counter()
-            replies[name] = generate_replies(model, tokenizer, prompts, config.max_new_tokens, config.batch_size,
-                                             **config.decoding())
-            speed[name] = generation_speed(tokenizer, replies[name], time.perf_counter() - started)
-            if task.READOUT_SCALE:
-                readouts[name] = rating_readouts(model, tokenizer, task, prompts, replies[name], windows)
-    #    Best-of-n's candidates: n sampled replies a premise from the SFT model (the base without one).
     candidates = None
-    if config.best_of_n:
-        source = "sft" if "sft" in adapters else "base"
-        run.manifest["best_of_n"] = {"n": config.best_of_n, "from": source, "temperature": config.best_of_n_temperature}
-        if source == "sft":
-            model.set_adapter("sft")
-        with model.disable_adapter() if source == "base" else contextlib.nullcontext():
-            started = time.perf_counter()
-            flat = generate_replies(model, tokenizer, [p for p in prompts for _ in range(config.best_of_n)],
-                                    config.max_new_tokens, config.batch_size,
-                                    **{**config.decoding(), "temperature": config.best_of_n_temperature})
-            speed["best_of_n"] = generation_speed(tokenizer, flat, time.perf_counter() - started)
-        candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
-    del model
+    if config.replies_from:  # nothing generated: that run's replies, read back (common/eval_inputs.py)
+        replies, readouts, speed = eval_inputs.read_replies(run, premises, task)
+        windows = bool(task.READOUT_SCALE) and config.reading == "all_windows"
+    else:
+        model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
+                           adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
+        for name in names[1:]:
+            model.load_adapter(str(adapters[name]), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
+        run.manifest["decoding"] = config.decoding()
+        run.manifest["backends"] = fast.backends(config, [], **decoder_backends(model, config.fast_paths,
+                                                                                 config.generation_weights), judge_scoring={})
+        windows = [task.reading_windows(p, tokenizer, config.max_prompt_tokens, config.window_overlap) for p in premises] \
+            if task.READOUT_SCALE and config.reading == "all_windows" else None
+        for name in (["base"] if config.evaluate_base else []) + names:
+            if name != "base":
+                model.set_adapter(name)
+            with model.disable_adapter() if name == "base" else contextlib.nullcontext():
+                started = time.perf_counter()
+                replies[name] = generate_replies(model, tokenizer, prompts, config.max_new_tokens, config.batch_size,
+                                                 **config.decoding())
+                speed[name] = generation_speed(tokenizer, replies[name], time.perf_counter() - started)
+                if task.READOUT_SCALE:
+                    readouts[name] = rating_readouts(model, tokenizer, task, prompts, replies[name], windows)
+        #    Best-of-n's candidates: n sampled replies a premise from the SFT model (the base without one).
+        if config.best_of_n:
+            source = "sft" if "sft" in adapters else "base"
+            run.manifest["best_of_n"] = {"n": config.best_of_n, "from": source, "temperature": config.best_of_n_temperature}
+            if source == "sft":
+                model.set_adapter("sft")
+            with model.disable_adapter() if source == "base" else contextlib.nullcontext():
+                started = time.perf_counter()
+                flat = generate_replies(model, tokenizer, [p for p in prompts for _ in range(config.best_of_n)],
+                                        config.max_new_tokens, config.batch_size,
+                                        **{**config.decoding(), "temperature": config.best_of_n_temperature})
+                speed["best_of_n"] = generation_speed(tokenizer, flat, time.perf_counter() - started)
+            candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
+        del model
 
     # 4. Score: best-of-n's pick by the training judge; overlap with the real replies; what the replies
     #    look like (loops, copying from the premise, variety); each judge: reward, win rates against the
@@ -180,7 +198,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
                    **({"by_judge": {j: every_judge[j][name][i] for j in every_judge}} if every_judge else {}),
                    **task_report["per_reply"].get(name, [{}] * len(premises))[i],
                    **({"candidates": candidates[i], "candidate_scores": candidate_scores[i]}
-                      if name == "best_of_n" else {})} for name in replies}}
+                      if name == "best_of_n" and candidates else {})} for name in replies}}
         for i, p in enumerate(premises)])
     grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
             if read_json(path.parent / "manifest.json").get("stage") == "GRPO"}
@@ -189,6 +207,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
                                           if config.judge_runs or crossfit else [])
+    sections = eval_inputs.report_lines(run.manifest, task.NOUNS) + sections  # what was scored, when not the split
     headline = verdict_lines(results, judges)  # the report and the summary open with it
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,

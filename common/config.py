@@ -455,7 +455,7 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     """Stage 05: held-out premises, every model, every metric."""
     STAGE: ClassVar[str] = "Eval"
 
-    pairs_run: str | None = arg(None, "the Pairs run whose held-out split is scored (required)")
+    pairs_run: str | None = arg(None, "the Pairs run whose held-out split is scored (required; with replies_from, that run's)")
     reward_run: str | None = arg(None, "the Reward run whose judge scores every reply (required for CMV)")
     sft_run: str | None = arg(None, "an SFT run to evaluate (optional)")
     policy_runs: list[str] = arg(help="GRPO, DPO or ORPO runs to evaluate (optional)", factory=list)
@@ -484,8 +484,29 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         "must beat. 0: off", ge=0)
     best_of_n_temperature: float = arg(0.7, "best_of_n: the sampling temperature of its candidates", gt=0)
 
+    eval_data: list[str] = arg(
+        help="files of the task's source rows (as 01's --data) scored in place of the pairs run's test split, read "
+             "with the pairs run's settings; a row whose post or paper is in its train or dev split (by id or by "
+             "premise text) is refused (common/eval_inputs.py)", factory=list)
+    skip_overlap: bool = arg(False, "eval_data: drop and count (dropped.overlap_train_dev) the rows of the pairs run's "
+                             "train or dev posts or papers instead of stopping")
+    skip_bad_rows: bool = arg(False, "eval_data: skip and count malformed rows (dropped.bad_row) instead of stopping")
+    replies_from: str | None = arg(
+        None, "a finished Eval run whose replies are scored again, nothing generated, by --judge_runs and "
+              "--reward_run; its premises, models and decoding are taken from it")
+
     def check(self):
-        require(self, "pairs_run")
+        if not self.replies_from:  # with it, the pairs run is the source run's
+            require(self, "pairs_run")
+        if self.eval_data and self.split != "test":
+            raise ConfigError("field 'split' is not used with eval_data (its files are scored instead): leave it out",
+                              "split")
+        if self.replies_from and not (self.reward_run or self.judge_runs):
+            raise ConfigError("replies_from: give the judges that score its replies (--judge_runs, --reward_run)",
+                              "replies_from")
+        if self.replies_from and (self.sft_run or self.policy_runs):
+            raise ConfigError("replies_from: the models are those of that run, whose replies are read back; give no "
+                              "sft_run or policy_runs", "replies_from")
         if self.best_of_n == 1:
             raise ConfigError("field 'best_of_n' must be 0 (off) or at least 2: one sample has no best", "best_of_n")
         if self.best_of_n and not self.reward_run:

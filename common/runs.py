@@ -28,7 +28,8 @@ log = logging.getLogger("pipeline")
 
 # Which stage an input run must come from, by the name of its command-line field.
 INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Reward",),
-                "policy_runs": ("GRPO", "DPO", "ORPO"), "judge_runs": ("Reward",), "crossfit_judge_runs": ("Reward",)}
+                "policy_runs": ("GRPO", "DPO", "ORPO"), "judge_runs": ("Reward",), "crossfit_judge_runs": ("Reward",),
+                "replies_from": ("Eval",)}
 # Inputs that may descend from another pairs run (same task, same base): 05's other judges, e.g. one
 # trained on other posts. What keeps their scores honest is 05's check of their training posts.
 OWN_LINEAGE = ("judge_runs", "crossfit_judge_runs")
@@ -209,7 +210,7 @@ def check_input(name: str, path) -> dict | None:
     if path is None:
         raise RunError(f"--{name} is required")
     path = Path(path)
-    if name.startswith(("data", "pdf")):  # data files and PDFs are recorded with their digests
+    if name.startswith(("data", "pdf", "eval_data")):  # data files and PDFs are recorded with their digests
         field = name.split("[")[0]
         if path.is_dir():
             raise DataError(f"--{field} {path}: is a directory; give one or more files")

@@ -114,3 +114,69 @@ def test_a_judge_is_refused_on_review_pairs(chain):
                      chain["pairs"], "--runs_dir", chain["runs"], check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "a judge trains on winner-vs-loser pairs" in proc.stderr.strip().splitlines()[-1]
+
+
+BUNDLED = "data/review/neurips2025_papers_reviews.jsonl.gz"
+
+
+def test_eval_data_scores_another_file_of_papers_each_with_a_rating(chain, tmp_path):
+    import gzip
+    import hashlib
+    held_out = {row["group_id"] for row in load_split(chain["pairs"], "test")}
+    with gzip.open(BUNDLED, "rt", encoding="utf-8") as f:  # papers the pairs run never trained on, in a file of their own
+        rows = [row for row in map(json.loads, f) if row["paper_id"] in held_out][:3]
+    papers = tmp_path / "other_papers.jsonl"
+    papers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = run_dir_of(run_stage("05_eval.py", "--config", f"{TINY}/05_eval.yaml", "--pairs_run", chain["pairs"],
+                               "--sft_run", chain["sft"], "--eval_data", papers, "--runs_dir", chain["runs"]))
+    replies = [json.loads(line) for line in (run / "replies.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in replies] == [r["paper_id"] for r in rows]
+    for row in replies:
+        for model in ("base", "sft"):  # parsed or read out: every paper gets a rating
+            assert 1 <= row[model]["rating"] <= 6 and row[model]["rating_source"] in ("parsed", "readout")
+    results = json.loads((run / "eval.json").read_text())
+    assert results["sft"]["all_papers"]["n"] == 3 and results["baseline_human"]["n"] > 0
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["inputs"]["eval_data[0]"] == {"path": str(papers.resolve()),
+                                                  "sha256": hashlib.sha256(papers.read_bytes()).hexdigest()}
+    assert manifest["eval_data"]["files"][0]["n_rows_used"] == 3 and manifest["eval_data"]["n_scored"] == 3
+    assert f"`{papers.resolve()}`" in (run / "report.md").read_text()
+
+
+def test_eval_data_refuses_the_bundled_file_for_overlap_or_drops_and_counts_it(chain):
+    trained = {row["group_id"] for split in ("train", "dev") for row in load_split(chain["pairs"], split)}
+    held_out = {row["group_id"] for row in load_split(chain["pairs"], "test")}
+    args = ["--config", f"{TINY}/05_eval.yaml", "--pairs_run", chain["pairs"], "--sft_run", chain["sft"],
+            "--eval_data", BUNDLED, "--evaluate_base", "false", "--max_premises", "2", "--runs_dir", chain["runs"]]
+    proc = run_stage("05_eval.py", *args, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {BUNDLED}: {len(trained)} of its 400 rows are papers of the pairs run's train "
+                           f"or dev split"), line
+    run = run_dir_of(run_stage("05_eval.py", *args, "--skip_overlap", "true"))
+    data = json.loads((run / "manifest.json").read_text())["eval_data"]
+    (counts,) = data["files"]
+    assert counts["dropped"]["overlap_train_dev"] == len(trained)
+    assert counts["n_rows_used"] + sum(counts["dropped"].values()) == counts["n_input_rows"] == 400
+    assert data["n_premises"] == len(held_out) and data["n_scored"] == 2
+    replies = [json.loads(line) for line in (run / "replies.jsonl").read_text().splitlines()]
+    assert len(replies) == 2 and {r["id"] for r in replies} <= held_out
+
+
+def test_replies_read_back_from_a_review_eval_give_its_ratings_again(chain):
+    # --replies_from's reading (scored by a judge, which the review task has none of yet): each model's
+    # reviews and read-out ratings come back as written, so the rating metrics come out the same
+    from common.data import one_per_group
+    from common.eval_inputs import read_replies
+    from common.runs import check_input
+    source = chain["eval"]
+    run = SimpleNamespace(config=SimpleNamespace(replies_from=str(source)), manifest={"inputs": {}},
+                          inputs={"replies_from": check_input("replies_from", source)})
+    premises = one_per_group(load_split(chain["pairs"], "test"))[:4]
+    replies, readouts, _ = read_replies(run, premises, review)
+    results = {name: {"n": len(texts)} for name, texts in replies.items()}
+    review.evaluate(premises, replies, results, chain["pairs"], readouts, seed=42)
+    saved = json.loads((source / "eval.json").read_text())
+    assert set(replies) == {"base", "sft", "dpo"}
+    for name in replies:
+        assert results[name]["all_papers"] == saved[name]["all_papers"] and run.manifest["replies_from"]["models"]

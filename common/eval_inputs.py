@@ -1,0 +1,171 @@
+"""Stage 05's other inputs: premises from files of the task's source rows (`--eval_data`), scored in
+place of the pairs run's test split, and the replies of a finished eval run read back to be scored
+again by other judges (`--replies_from`).
+
+Files are read as stage 01 reads its rows, with the pairs run's own settings (premise_words,
+review_target, ...), so that a post or paper it holds gets the same premise text here: the reader
+(common/data.read_jsonl), the bad-row policy (`--skip_bad_rows`), the drop reasons and the counts
+are stage 01's. A row whose post or paper is in the pairs run's train or dev split, by id or by the
+digest of its premise text, was trained on (or picked a checkpoint): it is refused, or dropped and
+counted with `--skip_overlap true`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+from common.config import ConfigError, load_run_config
+from common.data import DataError, load_split, one_per_group, premise_digest, read_json, read_jsonl
+from common.runs import RunError, check_input
+
+# What made a finished eval run's replies and what they answer: --replies_from takes them from that
+# run, so that the replies are scored against the premises and references they were written for.
+REPLY_FIELDS = ("split", "max_premises", "max_prompt_tokens", "max_new_tokens", "evaluate_base", "reading",
+                "window_overlap", "skip_overlap", "skip_bad_rows", "repetition_penalty", "no_repeat_ngram_size",
+                "temperature", "generation_weights", "seed")
+OVERLAP = "overlap_train_dev"  # the drop reason of a row whose post or paper the pairs run trained on
+
+
+def input_files(config) -> dict:
+    """The run's inputs besides the model runs: each --eval_data file (recorded with its sha256) and
+    the --replies_from run."""
+    return {**{f"eval_data[{i}]": path for i, path in enumerate(config.eval_data)},
+            **({"replies_from": config.replies_from} if config.replies_from else {})}
+
+
+def source_settings(config, overrides: dict):
+    """With --replies_from: the config with the source run's REPLY_FIELDS, pairs run and data files;
+    one given on the command line that differs is refused, naming it. Without: the config as it is."""
+    if not config.replies_from:
+        return config
+    manifest = check_input("replies_from", config.replies_from)  # a finished eval run, unchanged
+    source = load_run_config(config.replies_from)
+    taken = {name: getattr(source, name) for name in REPLY_FIELDS}
+    for name, value in taken.items():
+        if name in overrides and overrides[name] != value:
+            raise ConfigError(f"command line: --{name} {overrides[name]!r}: the replies of --replies_from "
+                              f"{config.replies_from} were made with {value!r}; leave it out", name)
+    if "eval_data" in overrides:
+        raise ConfigError("command line: --eval_data: --replies_from scores the premises of its run, "
+                          "give one or the other", "eval_data")
+    if not source.evaluate_base:
+        raise ConfigError(f"--replies_from {config.replies_from}: that run wrote no base replies (evaluate_base "
+                          f"false), and every judge compares a model's replies with the base's", "replies_from")
+    files = [manifest["inputs"][f"eval_data[{i}]"]["path"] for i in range(len(source.eval_data))]
+    return dataclasses.replace(config, **taken, eval_data=files, pairs_run=config.pairs_run or manifest["pairs_run"])
+
+
+def premises_from_files(config, task) -> tuple[list[dict], dict]:
+    """--eval_data: one premise per post or paper of the files (its real replies or reviews as
+    references, as stage 01 builds them), the first max_premises of them, and the accounting:
+    per file n_input_rows, n_rows_used, dropped (reason -> count, `overlap_train_dev` among them),
+    input_units; n_premises (all) and n_scored."""
+    pairs = load_run_config(config.pairs_run)  # its rows are read as the pairs run read its own
+    trained = load_split(config.pairs_run, "train") + load_split(config.pairs_run, "dev")
+    posts, texts = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}
+    nouns = task.NOUNS["premises"]
+    examples, seen_ids, seen_content, seen_premises, files = [], set(), set(), {}, []
+    for path in config.eval_data:
+        n_rows, n_used, dropped, units, overlap = 0, 0, Counter(), Counter(), []
+        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
+            n_rows += 1
+            try:
+                made = "bad_row" if row is None and config.skip_bad_rows else task.rows_from(row, where, pairs)
+            except DataError:
+                if not config.skip_bad_rows:
+                    raise
+                made = "bad_row"
+            if isinstance(made, str):
+                reason = made
+            elif any(e["group_id"] in posts or premise_digest(e) in texts for e in made):
+                reason = OVERLAP
+                overlap.append(made[0]["group_id"])
+            elif any(e["id"] in seen_ids or _content(e) in seen_content for e in made):
+                reason = "duplicate_pair"
+            elif any(seen_premises.get(premise_digest(e), e["group_id"]) != e["group_id"] for e in made):
+                reason = "duplicate_premise"  # the same text under another id: it would be scored twice
+            else:
+                reason = None
+            if reason != "bad_row":
+                units.update({f"{k}{'' if reason is None else '_in_dropped_rows'}": v
+                              for k, v in task.input_units(row).items()})
+            if reason is not None:
+                dropped[reason] += 1
+                continue
+            n_used += 1
+            for e in made:
+                seen_ids.add(e["id"])
+                seen_content.add(_content(e))
+                seen_premises.setdefault(premise_digest(e), e["group_id"])
+                examples.append(e)
+        if not n_rows:
+            raise DataError(f"{path}: no rows (the file is empty or holds only blank lines): nothing to score")
+        if overlap and not config.skip_overlap:
+            raise DataError(f"{path}: {len(overlap)} of its {n_rows} rows are {nouns} of the pairs run's train or "
+                            f"dev split (by id or by premise text; e.g. {overlap[0]}): the models trained on them. "
+                            f"Give other {nouns}, or --skip_overlap true to drop those rows")
+        files.append({"path": str(Path(path).resolve()), "n_input_rows": n_rows, "n_rows_used": n_used,
+                      "dropped": dict(sorted(dropped.items())), "input_units": dict(sorted(units.items()))})
+    premises = one_per_group(examples)
+    if not premises:
+        raise DataError(f"{', '.join(config.eval_data)}: no {nouns} left to score (dropped: "
+                        f"{'; '.join(str(f['dropped']) for f in files)})")
+    return premises[: config.max_premises], {"files": files, "n_premises": len(premises),
+                                             "n_scored": min(len(premises), config.max_premises)}
+
+
+def _content(example: dict) -> tuple:
+    """What makes two rows the same pair, whatever their ids (as stage 01 compares them)."""
+    return premise_digest(example), example["chosen"], example.get("rejected")
+
+
+def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
+    """--replies_from: (replies, readouts, generation speed) per model, as the source run wrote them;
+    its artifacts were checked unchanged when the run started. Its replies must answer `premises`
+    (rebuilt from its settings) one for one, and its data files must be the ones recorded there.
+    The manifest records the source run, its decoding and its generation backends."""
+    source = Path(run.config.replies_from)
+    manifest = run.inputs["replies_from"]
+    for name, entry in run.manifest["inputs"].items():
+        if name.startswith("eval_data") and entry["sha256"] != manifest["inputs"][name]["sha256"]:
+            raise RunError(f"--replies_from {source}: {entry['path']} changed since that run scored it (sha256 "
+                           f"differs): its replies answer other {task.NOUNS['premises']}")
+    rows = [row for _, row in read_jsonl(source / "replies.jsonl")]
+    if [(r["id"], r["premise"]) for r in rows] != [(p["id"], task.display(p)[:2000]) for p in premises]:
+        raise RunError(f"--replies_from {source}: its replies.jsonl does not answer the {len(premises)} "
+                       f"{task.NOUNS['premises']} that its settings rebuild from its pairs run and data")
+    models = [name for name, value in rows[0].items() if isinstance(value, dict) and "reply" in value]
+    replies = {name: [row[name]["reply"] for row in rows] for name in models}
+    readouts = {name: [row[name]["readout"] for row in rows] for name in models if "readout" in rows[0][name]}
+    results = read_json(source / "eval.json")
+    speed = {name: results.get(name, {}).get("generation") for name in models}
+    backends = manifest.get("backends") or {}
+    run.manifest.update(replies_from={"path": str(source.resolve()), "run_name": source.name, "models": models},
+                        decoding=manifest.get("decoding"),
+                        backends={"replies_from": {k: v for k, v in backends.items() if k != "judge_scoring"},
+                                  "judge_scoring": {}})
+    return replies, readouts, speed
+
+
+def report_lines(manifest: dict, nouns: dict) -> list[str]:
+    """report.md's account of what was scored when it is not the pairs run's test split: the files
+    (sha256, rows read, used and dropped), and the eval run whose replies were read back."""
+    lines = []
+    data = manifest.get("eval_data")
+    if data:
+        files = "; ".join(f"`{f['path']}` (sha256 {manifest['inputs'][f'eval_data[{i}]']['sha256'][:12]}: "
+                          f"{f['n_input_rows']} rows, {f['n_rows_used']} used, dropped: {_counts(f['dropped'])})"
+                          for i, f in enumerate(data["files"]))
+        lines += [f"The {nouns['premises']} scored are {data['n_scored']} of the {data['n_premises']} in --eval_data, "
+                  f"not the pairs run's test split: {files}. A row whose {nouns['premise']} is in the pairs run's "
+                  f"train or dev split is `{OVERLAP}`."]
+    source = manifest.get("replies_from")
+    if source:
+        lines += [f"Nothing was generated: the replies are those of eval run {source['run_name']} "
+                  f"(`{source['path']}`), read back and scored by this run's judges."]
+    return ["", "## Data", *(part for line in lines for part in ("", line))] if lines else []
+
+
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
