@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from conftest import REPO
 
 
 def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_model, tmp_path):
     env = {**os.environ, "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/tiny/01_build_pairs.yaml",
-           "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary")}
+           "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary"),
+           "PY": sys.executable}  # scripts/demo_lib.sh's default is .venv's
     proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, env=env, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
