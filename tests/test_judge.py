@@ -335,3 +335,26 @@ def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
         assert scores == pytest.approx(padded, abs=0.05)  # bf16: a few units in the last place
     gaps = [abs(a - b) for i, a in enumerate(padded) for b in padded[i + 1:]]
     assert min(gaps) > 0.2  # distinct scores: a score in another input's place would show
+
+
+def test_copies_of_one_reply_run_once_and_get_one_score(tiny_model, monkeypatch):
+    """GRPO's replies at a low temperature are copies: each distinct input runs once, so its copies tie
+    bit for bit on any kernel (in one FlexAttention row each copy would sit elsewhere and round otherwise),
+    and a group of copies is seen as tied (04_train_grpo.py's all-tied check)."""
+    import common.fast.padding_free as padding_free
+    from common.model import SEQ_CLS, load_model, load_tokenizer
+    args = ModelArgs(model_name_or_path=str(tiny_model))
+    tok = load_tokenizer(args)
+    model = load_model(args, SEQ_CLS, tokenizer=tok, trainable=False)
+    run = padding_free.packed_rewards
+    seen = []
+
+    def counted(classifier, rows, attention):
+        seen.append(sum(len(g) for groups in rows for g in groups))
+        return run(classifier, rows, attention)
+    monkeypatch.setattr(padding_free, "packed_rewards", counted)
+    tabs = [{"role": "user", "content": "CMV: tabs are better than spaces."}]
+    vim = [{"role": "user", "content": "CMV: vim is easier to learn than emacs."}]
+    scores = RewardScorer(model, tok, 64, 256).score([tabs] * 4 + [vim] * 2, ["Spaces render the same."] * 4 + ["No."] * 2)
+    assert sum(seen) == 2  # one sequence for each distinct (prompt, reply)
+    assert len(set(scores[:4])) == 1 and len(set(scores[4:])) == 1
