@@ -193,6 +193,11 @@ def budget_steps(items, rows, budget, grad_accum, n_steps, seed, key=sum):
 
 # --- measuring -----------------------------------------------------------------------------------
 
+# TRL's configs default to bf16; without a GPU its rows run fp32 on the CPU. Not tied to --tiny: on a GPU
+# the tiny model is loaded there, and `use_cpu` would hand its batches over on the CPU.
+CPU_ONLY = {} if torch.cuda.is_available() else {"bf16": False, "use_cpu": True}
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -466,8 +471,7 @@ class Bench:
         else:  # TRL's defaults, same model and data
             args = trl.SFTConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
                                  max_steps=self.steps, report_to="none", save_strategy="no", disable_tqdm=True,
-                                 per_device_train_batch_size=cfg.per_device_train_batch_size,
-                                 **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                                 per_device_train_batch_size=cfg.per_device_train_batch_size, **CPU_ONLY)
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
         dropout = (cfg.lora_dropout if lora_dropout is None else lora_dropout) if ours else None
@@ -502,7 +506,7 @@ class Bench:
         else:
             args = trl.SFTConfig(output_dir=str(run.dir / "checkpoints"), max_length=n, max_steps=3,
                                  per_device_train_batch_size=1, report_to="none", save_strategy="no",
-                                 disable_tqdm=True, **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                                 disable_tqdm=True, **CPU_ONLY)
             trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                      train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, cmv))
         with lever(self.policy, ours):  # TRL's rows: PyTorch's attention defaults
@@ -574,8 +578,7 @@ class Bench:
             else:  # TRL's defaults, same model and data; max_length so that nothing is cut, batch 1
                 args = trl.SFTConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
                                      max_steps=self.review_steps, per_device_train_batch_size=1, report_to="none",
-                                     save_strategy="no", disable_tqdm=True,
-                                     **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                                     save_strategy="no", disable_tqdm=True, **CPU_ONLY)
                 trainer = trl.SFTTrainer(model=self.policy, args=args, processing_class=self.tokenizer,
                                          train_dataset=self.sft_mod.sft_dataset(rows, self.tokenizer, cfg, review))
             with lever(self.policy, ours):  # TRL's rows: PyTorch's attention defaults
@@ -643,8 +646,7 @@ class Bench:
             else:
                 args = trl.DPOConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
                                      max_steps=steps, per_device_train_batch_size=1, report_to="none",
-                                     save_strategy="no", disable_tqdm=True,
-                                     **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                                     save_strategy="no", disable_tqdm=True, **CPU_ONLY)
                 trainer = trl.DPOTrainer(model=self.policy, args=args, train_dataset=data,
                                          processing_class=self.tokenizer)
             ref_adapter = "ref" in self.policy.peft_config
@@ -802,8 +804,7 @@ class Bench:
         else:
             args = trl.RewardConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,
                                     max_steps=self.steps, report_to="none", save_strategy="no", disable_tqdm=True,
-                                    per_device_train_batch_size=cfg.per_device_train_batch_size,
-                                    **({"bf16": False, "use_cpu": True} if self.tiny else {}))
+                                    per_device_train_batch_size=cfg.per_device_train_batch_size, **CPU_ONLY)
         trainer = trl.RewardTrainer(model=self.judge_model, args=args, processing_class=self.tokenizer,
                                     train_dataset=data)
         if ours:  # what stage 03's trainer gets

@@ -175,10 +175,19 @@ class RewardScorer:
         `packed` is off; the encoder judge runs right-padded batches of similar lengths."""
         was_training = self.model.training
         self.model.eval()
-        encoded = [self.encode(p, r) for p, r in zip(prompts, replies)]
-        scores = self._packed(prompts, encoded) if self.packed else self._padded(encoded)
+        # Each distinct input runs once and its copies get its score, bit for bit. GRPO's replies at a low
+        # temperature are copies of one reply; run in one FlexAttention row (a GPU) each copy would sit at
+        # another place and get a score a few bf16 units off, which GRPO's group scaling would turn into
+        # whole advantages, and its all-tied check would miss.
+        first: dict[tuple, int] = {}
+        index = [first.setdefault(tuple(self.encode(p, r)), len(first)) for p, r in zip(prompts, replies)]
+        unique_prompts = [None] * len(first)
+        for i, k in enumerate(index):
+            unique_prompts[k] = prompts[i]
+        encoded = [list(e) for e in first]
+        scores = self._packed(unique_prompts, encoded) if self.packed else self._padded(encoded)
         self.model.train(was_training)
-        return scores
+        return [scores[k] for k in index]
 
     def _packed(self, prompts, encoded) -> list[float]:
         """The replies to one prompt share it. FlexAttention (a judge trained padding-free on a GPU) runs

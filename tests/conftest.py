@@ -30,6 +30,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `-m gpu` runs only these)")
+
+
+def requires_gpu(test):
+    """A test that runs only on a GPU: marked `gpu`, skipped on the CPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+# Two processes on one machine: two GPUs where there is a GPU (NCCL, a GPU each); on the CPU, gloo.
+requires_two_gpus_on_a_gpu = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                                reason="two processes need two GPUs where there is a GPU (on the CPU: gloo)")
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from common.local_models import ensure

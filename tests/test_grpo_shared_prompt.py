@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY, load_stage, words
+from conftest import TINY, exact_fp32, load_stage, words
 from datasets import Dataset
 from trl import GRPOTrainer
 
@@ -54,6 +54,7 @@ def trainer(request, tiny_model, tmp_path_factory):
     run = type("R", (), {"dir": tmp_path_factory.mktemp("grpo"), "manifest": {}})()
     _judge.__name__ = "judge"
     trainer = load_stage("04_train_grpo.py").build_trainer(config, run, model, _judge, prompts, tokenizer)
+    exact_fp32()  # the trainer's arguments turned TF32 on: fp32's tolerance is float32 rounding
     assert "group_in_one_sequence" in run.manifest["patches"]
     trainer.tolerance = TOLERANCE[request.param]
     return trainer
@@ -61,7 +62,8 @@ def trainer(request, tiny_model, tmp_path_factory):
 
 def _rows(trainer):
     """TRL's layout of 6 replies to 3 premises, in a shuffled order: left-padded prompts, replies of
-    different lengths right-padded (a reply that ended early is masked after its end token)."""
+    different lengths right-padded (a reply that ended early is masked after its end token); on the
+    model's device, as TRL's _prepare_inputs hands them over."""
     tokenizer = trainer.processing_class
     prompt_ids = [token_ids(tokenizer.apply_chat_template([{"role": "user", "content": words(n, i)}],
                                                           add_generation_prompt=True, tokenize=True))
@@ -75,7 +77,8 @@ def _rows(trainer):
         prompt = torch.tensor(prompt_ids[p])
         ids[r, width - len(prompt):width], mask[r, width - len(prompt):width] = prompt, 1
         ids[r, width:width + n], mask[r, width:width + n] = torch.randint(5, 1000, (n,), generator=g), 1
-    return ids, mask
+    device = next(trainer.model.parameters()).device
+    return ids.to(device), mask.to(device)
 
 
 def test_log_probs_entropies_and_gradients_equal_trls_rows(trainer):
@@ -83,7 +86,7 @@ def test_log_probs_entropies_and_gradients_equal_trls_rows(trainer):
     model = trainer.model
     model.train()
     lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    weights = torch.randn(6, 12, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(6, 12, generator=torch.Generator().manual_seed(2)).to(ids.device)
 
     def run(method):
         model.zero_grad(set_to_none=True)

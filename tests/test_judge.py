@@ -27,6 +27,18 @@ WORDS = "policy evidence people society history rights money science health free
 PROBE_NAMES = [p[0] for p in PROBES]
 
 
+def reloaded_scores(saved: list[float]):
+    """What a reloaded encoder judge must give of the scores stage 03 recorded. Its weights reload exactly
+    (fp32, the whole model). On the CPU stage 03 scores in fp32 as the reload does: equal to float rounding.
+    On a GPU stage 03 scores with the model its trainer prepared, whose forward runs under bf16 autocast
+    (accelerate wraps it), and the reload runs fp32: bf16's 8-bit mantissa (2^-8 = 0.4% an operation) over
+    two layers gives about 1% of a score, so 2% plus 5e-3 for scores near zero."""
+    import torch
+    if torch.cuda.is_available():
+        return pytest.approx(saved, rel=2e-2, abs=5e-3)
+    return pytest.approx(saved, abs=1e-5)
+
+
 # --- the audit with judges whose habits are known -----------------------------------------------
 
 def _sentences(rng, n):
@@ -230,7 +242,7 @@ def test_encoder_judge_reloads_exactly_and_refuses_a_changed_backbone(encoder_pi
     scorer = RewardScorer.from_run(reward)
     assert scorer.kind == ENCODER
     again = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
-    assert again == pytest.approx([s["chosen_score"] for s in saved], abs=1e-5)
+    assert again == reloaded_scores([s["chosen_score"] for s in saved])
     ids = scorer.encode(dev[0]["prompt"], dev[0]["chosen"] * 20)
     assert len(ids) <= 96 and ids[0] == scorer.tokenizer.cls_token_id
     changed = tmp_path / reward.name
@@ -292,7 +304,7 @@ def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline)
     scorer = RewardScorer.from_run(reward)
     assert scorer.kind == ENCODER
     again = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
-    assert again == pytest.approx([s["chosen_score"] for s in saved], abs=1e-5)
+    assert again == reloaded_scores([s["chosen_score"] for s in saved])
     assert len(set(again)) > 1  # a score per reply, not a constant
 
 
@@ -331,7 +343,34 @@ def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
         # A later FlexAttention call of another shape would recompile with dynamic shapes, which Inductor's
         # CPU template fails to compile (torch 2.11): later tests start from a clean compile cache.
         torch._dynamo.reset()
+    # bf16: a few units in the last place. A GPU's kernels sum in another order for each layout
+    # (FlexAttention's one row, SDPA's rows, the padded batches), and bf16's unit grows with the score:
+    # 2^-6 of a score there (two units of bf16's 8-bit mantissa), still well under the gaps checked below.
+    tolerance = dict(rel=2 ** -6, abs=0.05) if torch.cuda.is_available() else dict(abs=0.05)
     for scores in (packed, one_row, alone, flex):
-        assert scores == pytest.approx(padded, abs=0.05)  # bf16: a few units in the last place
+        assert scores == pytest.approx(padded, **tolerance)
     gaps = [abs(a - b) for i, a in enumerate(padded) for b in padded[i + 1:]]
     assert min(gaps) > 0.2  # distinct scores: a score in another input's place would show
+
+
+def test_copies_of_one_reply_run_once_and_get_one_score(tiny_model, monkeypatch):
+    """GRPO's replies at a low temperature are copies: each distinct input runs once, so its copies tie
+    bit for bit on any kernel (in one FlexAttention row each copy would sit elsewhere and round otherwise),
+    and a group of copies is seen as tied (04_train_grpo.py's all-tied check)."""
+    import common.fast.padding_free as padding_free
+    from common.model import SEQ_CLS, load_model, load_tokenizer
+    args = ModelArgs(model_name_or_path=str(tiny_model))
+    tok = load_tokenizer(args)
+    model = load_model(args, SEQ_CLS, tokenizer=tok, trainable=False)
+    run = padding_free.packed_rewards
+    seen = []
+
+    def counted(classifier, rows, attention):
+        seen.append(sum(len(g) for groups in rows for g in groups))
+        return run(classifier, rows, attention)
+    monkeypatch.setattr(padding_free, "packed_rewards", counted)
+    tabs = [{"role": "user", "content": "CMV: tabs are better than spaces."}]
+    vim = [{"role": "user", "content": "CMV: vim is easier to learn than emacs."}]
+    scores = RewardScorer(model, tok, 64, 256).score([tabs] * 4 + [vim] * 2, ["Spaces render the same."] * 4 + ["No."] * 2)
+    assert sum(seen) == 2  # one sequence for each distinct (prompt, reply)
+    assert len(set(scores[:4])) == 1 and len(set(scores[4:])) == 1

@@ -52,6 +52,7 @@ def test_fingerprint_tracks_base_and_lora_settings(sft_config):
 def _lora_grads(config, eval_forward_first: bool, batch):
     torch.manual_seed(0)  # the same LoRA init and dropout masks in both runs
     model = load_model(config, CAUSAL_LM)
+    batch = batch.to(next(model.parameters()).device)  # the tokenizer's tensors are on the CPU, the 4-bit model on its GPU
     for name, param in model.named_parameters():  # non-zero B so every LoRA matrix gets a gradient
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)
@@ -123,7 +124,8 @@ def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
     fresh = load_model(config, SEQ_CLS)
     fresh_head = dict(fresh.named_parameters())
     trained_head = saved[head_keys[0]]
-    assert not any(torch.equal(trained_head.float(), p.detach().float()) for n, p in fresh_head.items() if "score" in n)
+    assert not any(torch.equal(trained_head.float(), p.detach().float().cpu()) for n, p in fresh_head.items()
+                   if "score" in n)
 
     scorer = RewardScorer.from_run(reward)
     dev = load_split(pairs_run, "dev")[:8]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_dir_of, run_stage
+from conftest import requires_two_gpus_on_a_gpu, run_dir_of, run_stage
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,7 @@ def test_unfinished_input_is_refused(pipeline, tmp_path):
     assert proc.returncode != 0 and "no DONE marker" in proc.stderr
 
 
+@requires_two_gpus_on_a_gpu
 def test_grpo_runs_data_parallel_in_two_processes(pipeline):
     """GRPO on two processes (torchrun; gloo on the CPU, NCCL on GPUs): each samples its own rollouts with
     the static decoder, scores them with its judge and trains on them with the shared prompt, the LoRA
