@@ -75,13 +75,17 @@ def parse_config(cls, argv: list[str] | None = None):
 
 
 def _split_argv(argv: list[str], hints: dict) -> list[tuple[str, list[str]]]:
-    """(field, raw values) in command-line order; a list field takes every value up to the next --."""
+    """(field, raw values) in command-line order; a list field takes every value up to the next --.
+    A field given twice is refused: the later value would silently replace the earlier one."""
     pairs, i = [], 0
     while i < len(argv):
         key = argv[i]
         if not key.startswith("--"):
             raise ConfigError(f"command line: expected --field, got {key!r}")
-        key, _, inline = key[2:].replace("-", "_").partition("=")
+        key, _, inline = key[2:].partition("=")
+        key = key.replace("-", "_")  # --lora-r is --lora_r; the value keeps its dashes (paths, file names)
+        if any(k == key for k, _ in pairs):
+            raise ConfigError(f"command line: --{key} is given twice; give each field once")
         end = i + 1
         while end < len(argv) and not argv[end].startswith("--"):
             end += 1

@@ -75,6 +75,11 @@ class RunArgs:
         validate(self)
 
     def check(self):
+        for field in ("runs_dir", "run_name"):  # a newline would forge a second `run_dir:` line on stdout
+            value = getattr(self, field)
+            if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+                raise ConfigError(f"field '{field}' must not hold control characters (newline, tab, ...), "
+                                  f"got {value!r:.80}", field)
         name = self.run_name
         if name is not None and (not name or name in (".", "..") or Path(name).name != name or "\\" in name):
             raise ConfigError(f"field 'run_name' must be one path component (no '/', '..' or absolute path), "
