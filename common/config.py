@@ -64,8 +64,8 @@ class RunArgs:
     resume: str | None = arg(None, "an unfinished run directory of this stage to continue, with its own settings")
     fast_paths: bool = arg(True, "false: plain TRL and transformers, to debug or compare: HF generate, TRL's own "
                            "collators and losses, no packing, no shared prompts, no kernels, no model patches; the "
-                           "fast fields are set to their plain values (PLAIN_PATHS) and the manifest's `backends` "
-                           "says what ran")
+                           "fast fields are set to their plain values (PLAIN_PATHS; the log names each one the command "
+                           "line set otherwise) and the manifest's `backends` says what ran")
 
     def __post_init__(self):
         if not self.fast_paths:
@@ -444,6 +444,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if not self.evaluate_base and (self.reward_run or self.judge_runs):
             raise ConfigError("evaluate_base false: judges score every model against the base, so it needs no "
                               "--reward_run or --judge_runs", "evaluate_base")
+        policies = [Path(p).resolve() for p in self.policy_runs]
+        if len(set(policies)) < len(policies):  # one run would be reported as two models
+            twice = next(p for p in self.policy_runs if policies.count(Path(p).resolve()) > 1)
+            raise ConfigError(f"field 'policy_runs': {twice} is given twice; give each run once", "policy_runs")
         judges = [Path(p).resolve() for p in ([self.reward_run] if self.reward_run else []) + self.judge_runs]
         if len({p.name for p in judges}) < len(judges):
             raise ConfigError("field 'judge_runs': every judge (--reward_run and --judge_runs) must be a different "

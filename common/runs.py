@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from common import provenance, tracking
-from common.config import to_dict
+from common.config import PLAIN_PATHS, to_dict
 from common.data import DataError, read_manifest, write_json
 from common.tasks import TASKS
 
@@ -127,6 +127,9 @@ class Run:
             self.pairs_run = str(self.dir.resolve())
         self.manifest.update(pairs_run=self.pairs_run, task=self.task or self.manifest.get("task"))
         self._attach_log()
+        for key, value in overrides.items():  # fast_paths false replaced a value the command line asked for
+            if not config.fast_paths and key in PLAIN_PATHS and getattr(config, key) != value:
+                log.warning("--%s %s is not used: --fast_paths false sets it to %s", key, value, getattr(config, key))
         for name, path in (inputs or {}).items():
             self._record_input(name, Path(path))
         # One W&B group per pipeline: given, else inherited from the inputs, else this (first) run.

@@ -3,15 +3,19 @@ inputs and the readers of replies and reviews. Each case fails the way the READM
 `error: ...` line naming the file, line or field, or a DONE run whose records are true."""
 from __future__ import annotations
 
+import gzip
+import json
+import logging
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_in_process
+from conftest import REPO, run_dir_of, run_in_process
 
 from common.cli import parse_config
-from common.config import ConfigError, PairsConfig
+from common.config import ConfigError, EvalConfig, PairsConfig
+from common.tasks import cmv, review
 
 PAIRS_01 = "configs/tiny/01_build_pairs.yaml"
 
@@ -85,3 +89,72 @@ def test_stage_keeps_a_callers_own_runs_dir(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert "stage of one.py args: --runs_dir /mine" in proc.stdout.splitlines(), proc.stdout
     assert "stage of two.py args: --runs_dir=/theirs" in proc.stdout.splitlines(), proc.stdout
+
+
+def test_fast_paths_false_says_which_asked_for_value_it_replaced(tmp_path):
+    from common.config import SFTStageConfig
+    from common.runs import Run
+    config, overrides = parse_config(SFTStageConfig, [
+        "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", "p", "--runs_dir", str(tmp_path),
+        "--fast_paths", "false", "--mlp_chunk_tokens", "64", "--liger_kernel", "false"])
+    assert config.mlp_chunk_tokens == 0
+    run = Run("SFT", config, overrides)
+    logging.getLogger().removeHandler(run._handler)
+    run._handler.close()
+    warned = [line for line in (run.dir / "run.log").read_text().splitlines() if "is not used" in line]
+    assert len(warned) == 1 and warned[0].endswith("--mlp_chunk_tokens 64 is not used: --fast_paths false sets "
+                                                   "it to 0"), warned
+
+
+# --- what the tasks read ----------------------------------------------------------------------------
+
+def _cmv_rows(n: int) -> list[dict]:
+    with gzip.open(REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("period", ["HeldOut", None, "later"])
+def test_split_by_period_refuses_a_row_of_no_known_period(tmp_path, period):
+    rows = _cmv_rows(120)
+    for i, row in enumerate(rows):
+        row["source_split"] = "heldout" if i % 4 == 0 else "train"
+    rows[7]["source_split"] = period
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--config", PAIRS_01, "--split_by", "period", "--data", path, "--runs_dir", tmp_path / "runs"]
+    line = _error(run_in_process("01_build_pairs.py", *args))
+    assert line == (f"error: {path}:8: field 'source_split' must be one of 'train', 'heldout', 'unknown' with "
+                    f"split_by period, got {period!r}"), line
+    proc = run_in_process("01_build_pairs.py", *args, "--skip_bad_rows", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((run_dir_of(proc) / "metrics.json").read_text())
+    assert metrics["dropped"].get("bad_row") == 1, metrics["dropped"]
+
+
+def test_replies_that_differ_only_by_invisible_characters_are_identical():
+    row = {"op_id": "t1", "op_title": "CMV: a view", "op_text": "Some body text.",
+           "positive_reply": "You are wrong,\u200b because of this.", "negative_reply": "You are wrong, because\u2060 of this."}
+    assert cmv.to_pair(row, "x:1", 470) == "identical_replies"
+
+
+@pytest.mark.parametrize("text, overall", [("Overall Quality: 1e1", None), ("Overall Quality: 4x", None),
+                                           ("Overall Quality: 4.5.", 4.5), ("Overall Quality: 4.", 4.0),
+                                           ("Overall Quality: 3\nlater: Overall Quality: n/a", None),
+                                           ("Overall Quality: 5/6", 5.0)])
+def test_a_rating_is_the_whole_number_after_the_label(text, overall):
+    assert review.parse_review(text)["overall"] == overall
+
+
+def test_the_read_out_cuts_a_review_at_its_rating_section_not_at_prose():
+    body = "### Key Points\nThe overall quality of the writing is high.\nRating the novelty is hard.\n"
+    assert review.readout_turn(body + "### Rating\nOverall Quality: 4") == body.rstrip() + "\n" + review.RATING_HEADER
+    assert review.readout_turn(body + "**Overall Quality:** 4") == body.rstrip() + "\n" + review.RATING_HEADER
+    assert review.readout_turn(body) == body.rstrip() + "\n" + review.RATING_HEADER
+    assert review.readout_turn(body + "Rating: 4") == body.rstrip() + "\n" + review.RATING_HEADER
+
+
+@pytest.mark.parametrize("second", ["X", "./X", "X/"])
+def test_one_policy_run_given_twice_is_refused(second):
+    with pytest.raises(ConfigError, match="field 'policy_runs': X is given twice; give each run once"):
+        parse_config(EvalConfig, ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p",
+                                  "--policy_runs", "X", second])
