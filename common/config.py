@@ -511,6 +511,22 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# A recipe is a few kilobytes; a bigger file is no config, and parsing megabytes of YAML takes minutes.
+MAX_CONFIG_BYTES = 2**20
+
+
+def read_config_text(path: Path) -> str:
+    """A config file's text (a recipe, or a run's config.yaml); ConfigError naming it when it cannot be
+    read or is over MAX_CONFIG_BYTES."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size} bytes; a config is at most {MAX_CONFIG_BYTES // 2**10} KiB")
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err})") from None
+
+
 def load_yaml(text: str, where: str):
     """YAML text of a config file or a command-line value -> its value; a ConfigError naming `where`
     (and the line) when it is not valid YAML, repeats a key or uses an alias."""
@@ -604,7 +620,7 @@ def load_run_config(run_dir: str | Path):
     if stage not in STAGE_CONFIGS:
         raise ConfigError(f"{run_dir}: unknown stage {stage!r} in manifest.json")
     cls = STAGE_CONFIGS[stage]
-    values = load_yaml((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")) or {}
+    values = load_yaml(read_config_text(run_dir / "config.yaml"), str(run_dir / "config.yaml")) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{run_dir / 'config.yaml'}: expected a mapping of fields")
     values = under_current_names(cls, values)

@@ -156,6 +156,20 @@ def _weights_digest(name_or_path: str) -> str:
         return hashlib.sha256(f.read(header_len)).hexdigest()
 
 
+def _check_context(args, model_config: dict, path: str) -> None:
+    """Generated tokens and their prompt must fit the model's context: the static decoder allocates
+    its cache for all of them up front, so a huge max_new_tokens is gigabytes before the first token."""
+    context = model_config.get("max_position_embeddings")
+    if not isinstance(context, int) or isinstance(context, bool):
+        return
+    prompt = getattr(args, "max_prompt_tokens", 0)
+    for name in ("max_new_tokens", "max_completion_length"):
+        n = getattr(args, name, None)
+        if n is not None and prompt + n > context:
+            raise ConfigError(f"field '{name}' ({n}) + max_prompt_tokens ({prompt}) must fit the model's context "
+                              f"of {context} tokens (max_position_embeddings in {path}/config.json)", name)
+
+
 def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
     """What identifies the base: name or path, config and weight-index digests, quantisation, LoRA.
     For an ENCODER judge: no quantisation, no LoRA (the whole model is fine-tuned)."""
@@ -169,6 +183,8 @@ def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
                           f"folder with config.json and safetensors weights, or a hub name already downloaded): "
                           f"{(str(err).splitlines() or [type(err).__name__])[0][:120]}", "model_name_or_path") from None
     config.pop("transformers_version", None)
+    if kind == CAUSAL_LM:
+        _check_context(args, config, path)
     identity = {
         "model": args.model_name_or_path,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),

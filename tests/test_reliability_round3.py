@@ -158,3 +158,66 @@ def test_one_policy_run_given_twice_is_refused(second):
     with pytest.raises(ConfigError, match="field 'policy_runs': X is given twice; give each run once"):
         parse_config(EvalConfig, ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p",
                                   "--policy_runs", "X", second])
+
+
+# --- resources have bounds --------------------------------------------------------------------------
+
+def _no_done(runs: Path) -> None:
+    assert not list(runs.glob("*/DONE")), list(runs.glob("*/DONE"))
+
+
+def test_a_line_of_more_than_the_limit_is_one_error_line(tmp_path):
+    from common.data import MAX_LINE_BYTES
+    rows = _cmv_rows(3)
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as f:
+        f.write(json.dumps(rows[0]) + "\n")
+        f.write(json.dumps({**rows[1], "op_text": "x" * MAX_LINE_BYTES}) + "\n")
+        f.write(json.dumps(rows[2]) + "\n")
+    assert path.stat().st_size < 2**20
+    runs = tmp_path / "runs"
+    for skip in ("false", "true"):
+        line = _error(run_in_process("01_build_pairs.py", "--config", PAIRS_01, "--data", path, "--runs_dir", runs,
+                                     "--skip_bad_rows", skip))
+        assert line.startswith(f"error: {path}:2: the line is longer than {MAX_LINE_BYTES} bytes"), line
+    _no_done(runs)
+
+
+def test_a_config_over_the_size_limit_is_refused_before_a_run_exists(tmp_path):
+    from common.config import MAX_CONFIG_BYTES
+    config = tmp_path / "big.yaml"
+    config.write_text("task: cmv\ndata:\n" + "- data/cmv/cmv_pairs.jsonl.gz\n" * (MAX_CONFIG_BYTES // 30 + 1))
+    runs = tmp_path / "runs"
+    line = _error(run_in_process("01_build_pairs.py", "--config", config, "--runs_dir", runs), runs)
+    assert line == f"error: {config}: {config.stat().st_size} bytes; a config is at most 1024 KiB", line
+
+
+@pytest.mark.parametrize("script, args, field", [
+    ("05_eval.py", ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p", "--max_new_tokens", 10**8],
+     "max_new_tokens"),
+    ("04_train_dpo.py", ["--config", "configs/tiny/04_train_dpo.yaml", "--sft_run", "s", "--max_new_tokens", 8192],
+     "max_new_tokens"),
+    ("04_train_grpo.py", ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", "s", "--reward_run", "r",
+                          "--max_completion_length", 10**8], "max_completion_length"),
+], ids=["eval", "dpo", "grpo"])
+def test_generated_tokens_beyond_the_models_context_are_refused(tmp_path, tiny_model, script, args, field):
+    runs = tmp_path / "runs"
+    line = _error(run_in_process(script, *args, "--runs_dir", runs), runs)
+    assert line.startswith(f"error: field '{field}' ("), line
+    assert line.endswith("must fit the model's context of 8192 tokens (max_position_embeddings in "
+                         ".cache/models/tiny-llama3/config.json)"), line
+
+
+def test_a_full_disk_is_one_error_line_and_no_done(tmp_path):
+    import errno
+    from unittest import mock
+
+    def full(path, rows):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    runs = tmp_path / "runs"
+    with mock.patch("common.data.write_jsonl", full):
+        line = _error(run_in_process("01_build_pairs.py", "--config", PAIRS_01, "--runs_dir", runs))
+    (run,) = runs.iterdir()
+    assert line == (f"error: {run / 'train.jsonl'}: No space left on device (errno 28); the run is left "
+                    f"unfinished, without DONE: free space, then run the stage again"), line
+    _no_done(runs)
