@@ -3,7 +3,7 @@
     python scripts/judges_later_posts.py best2 NAME=REWARD_RUN ...     # the two judges best on dev
     python scripts/judges_later_posts.py summary OUT_DIR NAME=REWARD_RUN ... --ensemble ENSEMBLE_JSON
 
-`best2` prints the run directories of the two judges with the highest dev (in-period) accuracy: the
+`best2` prints the run directories (one a line) of the two judges with the highest dev (in-period) accuracy: the
 choice is made on dev, never on the later posts of test. `summary` writes OUT_DIR/judges_later_posts.json:
 for each judge (and the ensemble of scripts/judge_ensemble.py), its run, its accuracy with a 95%
 interval on dev (in-period) and test (later posts), the length-only and bag-of-words baselines on each
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     summ.add_argument("--ensemble", type=Path)
     args = parser.parse_args(argv)
     if args.command == "best2":
-        print(" ".join(map(str, best2(args.judges))))
+        print("\n".join(map(str, best2(args.judges))))  # one a line: a path may hold spaces
     else:
         summary(args.out_dir, args.judges, args.ensemble)
 

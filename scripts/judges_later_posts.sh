@@ -34,8 +34,10 @@ reply_only=$(judge "${minilm[@]}" --max_prompt_tokens 1)
 
 judges=("minilm_pairwise=$pairwise" "minilm_pointwise=$pointwise" "smollm2_decoder=$decoder"
         "minilm_pairwise_early_stopping=$long" "minilm_pairwise_reply_only=$reply_only")
-read -r first second < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
-"$PY" scripts/judge_ensemble.py "$first" "$second" > "$SUMMARY_DIR/judges_later_posts_ensemble.json"
+# one run directory a line: a RUNS_DIR with spaces stays whole
+mapfile -t best < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
+(( ${#best[@]} == 2 )) || { echo "error: judges_later_posts.py best2 did not name two judges" >&2; exit 1; }
+"$PY" scripts/judge_ensemble.py "${best[@]}" > "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" \
   --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 

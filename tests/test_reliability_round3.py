@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,43 @@ def test_a_full_disk_is_one_error_line_and_no_done(tmp_path):
     assert line == (f"error: {run / 'train.jsonl'}: No space left on device (errno 28); the run is left "
                     f"unfinished, without DONE: free space, then run the stage again"), line
     _no_done(runs)
+
+
+# --- scripts ----------------------------------------------------------------------------------------
+
+def _judge_dir(path: Path, dev_accuracy: float) -> None:
+    path.mkdir(parents=True)
+    judged = {"n_pairs": 4, "accuracy": dev_accuracy, "accuracy_ci95": [0.0, 1.0]}
+    audit = {"split": "dev", "judge": judged, "other_splits": {"test": judged}, "periods": {},
+             "baselines": {k: {"dev_accuracy": 0.5, "test_accuracy": 0.5} for k in ("length_only", "bag_of_words")}}
+    for name, data in (("judge_audit.json", audit), ("metrics.json", {}), ("manifest.json", {"pairs_run": "p"})):
+        (path / name).write_text(json.dumps(data))
+
+
+def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path):
+    """The script's chain with stand-ins for the stages: the two best judges reach the ensemble whole."""
+    runs = tmp_path / "my runs"
+    for k in range(1, 6):
+        _judge_dir(runs / f"judge {k}", k / 10)
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+case $1 in
+  01_build_pairs.py) echo "run_dir: $RUNS_DIR/pairs run" ;;
+  03_train_reward.py) n=$(( $(cat "{tmp_path}/n" 2>/dev/null || echo 0) + 1 )); echo $n > "{tmp_path}/n"
+                      echo "run_dir: $RUNS_DIR/judge $n" ;;
+  scripts/judges_later_posts.py) if [[ $2 == best2 ]]; then exec "{sys.executable}" "$@"; fi ;;
+  scripts/judge_ensemble.py) printf '%s\\n' "${{@:2}}" > "{tmp_path}/ensemble_args" ;;
+esac
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "RUNS_DIR": str(runs), "RECIPE_03": "configs/tiny"}
+    proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ensemble_args").read_text().splitlines() == [str(runs / "judge 5"), str(runs / "judge 4")]
+
+
+def test_judge_ensemble_of_an_unfinished_run_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/judge_ensemble.py", str(tmp_path / "a b"), str(tmp_path / "c")],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: input {tmp_path / 'a b'} does not exist (no such file or run directory)"
