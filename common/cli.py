@@ -111,7 +111,7 @@ def _read_yaml(path: Path, cls, names: set, written_by_run: bool = False) -> dic
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of fields")
     if written_by_run:
-        loaded = under_current_names(cls, loaded)
+        loaded = under_current_names(cls, loaded, str(path))
     for key in loaded:
         if key not in names:
             raise ConfigError(f"{path}: unknown field '{key}' {unknown_field_hint(cls, key)}")

@@ -467,8 +467,13 @@ RENAMED = {RewardStageConfig: {"shared_prompt": "prompt_once_per_pair"},
                             "shared_prompt_attention": "one_sequence_attention"}}
 
 
-def under_current_names(cls, values: dict) -> dict:
-    """An earlier run's recorded fields, the renamed ones under their new names."""
+def under_current_names(cls, values: dict, where: str) -> dict:
+    """An earlier run's recorded fields, the renamed ones under their new names. A file with both names
+    of one field is refused: one of its two values would be dropped unseen."""
+    for old, new in RENAMED.get(cls, {}).items():
+        if old in values and new in values:
+            raise ConfigError(f"{where}: fields '{old}' and '{new}' are one field ('{old}' was renamed "
+                              f"'{new}'); give it once", new)
     return {RENAMED.get(cls, {}).get(key, key): value for key, value in values.items()}
 
 
@@ -623,7 +628,7 @@ def load_run_config(run_dir: str | Path):
     values = load_yaml(read_config_text(run_dir / "config.yaml"), str(run_dir / "config.yaml")) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{run_dir / 'config.yaml'}: expected a mapping of fields")
-    values = under_current_names(cls, values)
+    values = under_current_names(cls, values, str(run_dir / "config.yaml"))
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ConfigError(f"{run_dir / 'config.yaml'}: unknown field(s) {', '.join(sorted(unknown))}")

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import struct
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import cached_file
 
+from common import provenance
 from common.config import MODEL_PACKAGES, ConfigError, ModelArgs
 
 log = logging.getLogger(__name__)
@@ -141,19 +141,53 @@ def _disable_cpu_inference_repack(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+# Each weight file's sha256, by its real path, kept while its size, inode and times are unchanged.
+DIGEST_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "weights_sha256.json"
+
+
 def _weights_digest(name_or_path: str) -> str:
-    """A digest of the weight index (sharded) or of the safetensors header (single file): names,
-    shapes and byte offsets of every tensor, without reading gigabytes of weights."""
+    """A digest of the contents of every weight file (each shard of a sharded model). Two models of
+    the same shapes (a base and an instruct release) have the same names, shapes and offsets: only
+    the weights tell them apart. A file is read once; DIGEST_CACHE keeps its digest."""
     index = cached_file(name_or_path, "model.safetensors.index.json",
                         _raise_exceptions_for_missing_entries=False)
     if index:
-        return hashlib.sha256(Path(index).read_bytes()).hexdigest()
-    weights = cached_file(name_or_path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
-    if not weights:
-        raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) found")
-    with open(weights, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        return hashlib.sha256(f.read(header_len)).hexdigest()
+        weight_map = json.loads(Path(index).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        files = [Path(index).parent / name for name in sorted(set(weight_map.values()))]
+    else:
+        weights = cached_file(name_or_path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if not weights:
+            raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) found")
+        files = [Path(weights)]
+    return hashlib.sha256("".join(f"{f.name}\0{_file_digest(f)}\0" for f in files).encode()).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a weight file, from DIGEST_CACHE while the file is unchanged: the change time (ctime)
+    moves with any write, even one that keeps the modification time."""
+    st, real = path.stat(), str(path.resolve())
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    try:
+        cache = json.loads(DIGEST_CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    known = cache.get(real)
+    if isinstance(known, dict) and known.get("key") == key and isinstance(known.get("sha256"), str):
+        return known["sha256"]
+    digest = provenance.sha256_file(path)
+    cache[real] = {"key": key, "sha256": digest}
+    try:  # a cache that cannot be written costs time, not correctness
+        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = DIGEST_CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(DIGEST_CACHE)
+    except OSError:
+        pass
+    return digest
 
 
 def _check_context(args, model_config: dict, path: str) -> None:
