@@ -11,6 +11,7 @@ keeps the settings in its own `config.yaml`: a value given again must be the sam
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from common.config import (
     ConfigError,
     describe,
     load_yaml,
+    read_config_text,
     shown,
     type_ok,
     under_current_names,
@@ -75,13 +77,17 @@ def parse_config(cls, argv: list[str] | None = None):
 
 
 def _split_argv(argv: list[str], hints: dict) -> list[tuple[str, list[str]]]:
-    """(field, raw values) in command-line order; a list field takes every value up to the next --."""
+    """(field, raw values) in command-line order; a list field takes every value up to the next --.
+    A field given twice is refused: the later value would silently replace the earlier one."""
     pairs, i = [], 0
     while i < len(argv):
         key = argv[i]
         if not key.startswith("--"):
             raise ConfigError(f"command line: expected --field, got {key!r}")
-        key, _, inline = key[2:].replace("-", "_").partition("=")
+        key, _, inline = key[2:].partition("=")
+        key = key.replace("-", "_")  # --lora-r is --lora_r; the value keeps its dashes (paths, file names)
+        if any(k == key for k, _ in pairs):
+            raise ConfigError(f"command line: --{key} is given twice; give each field once")
         end = i + 1
         while end < len(argv) and not argv[end].startswith("--"):
             end += 1
@@ -99,17 +105,13 @@ def _read_yaml(path: Path, cls, names: set, written_by_run: bool = False) -> dic
     """A config file's fields; a run's own config.yaml (`written_by_run`) under today's names."""
     if not path.is_file():
         raise ConfigError(f"--config: no such file {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot be read ({err})") from None
-    loaded = load_yaml(text, str(path))
+    loaded = load_yaml(read_config_text(path), str(path))
     if loaded is None:  # every field would take its default, the model a hub id: nothing falls back to that
         raise ConfigError(f"{path}: the config is empty; give a recipe (configs/<recipe>/0N_<stage>.yaml)")
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: expected a mapping of fields")
     if written_by_run:
-        loaded = under_current_names(cls, loaded)
+        loaded = under_current_names(cls, loaded, str(path))
     for key in loaded:
         if key not in names:
             raise ConfigError(f"{path}: unknown field '{key}' {unknown_field_hint(cls, key)}")
@@ -199,6 +201,7 @@ def help_text(cls, doc: str) -> str:
 
 
 CUDA_ALLOC_CONF = "expandable_segments:True"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk or the user's quota is full: not a bug, one line
 # The oldest release of each library whose private hooks the stages use (trainer patches, token-budget
 # batches: `Trainer.training_step` reads `loss_is_scaled_for_ga` from transformers 5.19 on).
 MIN_VERSIONS = {"transformers": "5.19.0", "trl": "1.16.0"}
@@ -244,6 +247,14 @@ def cli(main, config_cls, doc: str = "") -> None:
     except (ConfigError, RunError, DataError) as err:
         _to_run_log(f"error: {err}")
         sys.exit(f"error: {err}")
+    except OSError as err:
+        if err.errno not in DISK_FULL:
+            _to_run_log("the stage failed", sys.exc_info())
+            raise
+        # not written to run.log: there is no room for it
+        where = f"{err.filename}: " if err.filename else ""
+        sys.exit(f"error: {where}{err.strerror or err} (errno {err.errno}); the run is left unfinished, "
+                 f"without DONE: free space, then run the stage again")
     except Exception:  # a bug: its traceback goes to run.log too, then to the terminal as usual
         _to_run_log("the stage failed", sys.exc_info())
         raise

@@ -64,8 +64,8 @@ class RunArgs:
     resume: str | None = arg(None, "an unfinished run directory of this stage to continue, with its own settings")
     fast_paths: bool = arg(True, "false: plain TRL and transformers, to debug or compare: HF generate, TRL's own "
                            "collators and losses, no packing, no shared prompts, no kernels, no model patches; the "
-                           "fast fields are set to their plain values (PLAIN_PATHS) and the manifest's `backends` "
-                           "says what ran")
+                           "fast fields are set to their plain values (PLAIN_PATHS; the log names each one the command "
+                           "line set otherwise) and the manifest's `backends` says what ran")
 
     def __post_init__(self):
         if not self.fast_paths:
@@ -75,6 +75,11 @@ class RunArgs:
         validate(self)
 
     def check(self):
+        for field in ("runs_dir", "run_name"):  # a newline would forge a second `run_dir:` line on stdout
+            value = getattr(self, field)
+            if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+                raise ConfigError(f"field '{field}' must not hold control characters (newline, tab, ...), "
+                                  f"got {value!r:.80}", field)
         name = self.run_name
         if name is not None and (not name or name in (".", "..") or Path(name).name != name or "\\" in name):
             raise ConfigError(f"field 'run_name' must be one path component (no '/', '..' or absolute path), "
@@ -523,6 +528,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if len(self.crossfit_judge_runs) == 1:
             raise ConfigError("field 'crossfit_judge_runs' takes every run of one cross-fit, one per fold: at "
                               "least 2", "crossfit_judge_runs")
+        policies = [Path(p).resolve() for p in self.policy_runs]
+        if len(set(policies)) < len(policies):  # one run would be reported as two models
+            twice = next(p for p in self.policy_runs if policies.count(Path(p).resolve()) > 1)
+            raise ConfigError(f"field 'policy_runs': {twice} is given twice; give each run once", "policy_runs")
         judges = [Path(p).resolve() for p in ([self.reward_run] if self.reward_run else []) + self.judge_runs]
         if len({p.name for p in judges}) < len(judges):
             raise ConfigError("field 'judge_runs': every judge (--reward_run and --judge_runs) must be a different "
@@ -542,8 +551,13 @@ RENAMED = {RewardStageConfig: {"shared_prompt": "prompt_once_per_pair"},
                             "shared_prompt_attention": "one_sequence_attention"}}
 
 
-def under_current_names(cls, values: dict) -> dict:
-    """An earlier run's recorded fields, the renamed ones under their new names."""
+def under_current_names(cls, values: dict, where: str) -> dict:
+    """An earlier run's recorded fields, the renamed ones under their new names. A file with both names
+    of one field is refused: one of its two values would be dropped unseen."""
+    for old, new in RENAMED.get(cls, {}).items():
+        if old in values and new in values:
+            raise ConfigError(f"{where}: fields '{old}' and '{new}' are one field ('{old}' was renamed "
+                              f"'{new}'); give it once", new)
     return {RENAMED.get(cls, {}).get(key, key): value for key, value in values.items()}
 
 
@@ -584,6 +598,22 @@ class _StrictLoader(yaml.SafeLoader):
                     raise ConfigError(f"{key.start_mark.line + 1}: field '{key.value}' is given twice")
                 seen.add(key.value)
         return super().construct_mapping(node, deep)
+
+
+# A recipe is a few kilobytes; a bigger file is no config, and parsing megabytes of YAML takes minutes.
+MAX_CONFIG_BYTES = 2**20
+
+
+def read_config_text(path: Path) -> str:
+    """A config file's text (a recipe, or a run's config.yaml); ConfigError naming it when it cannot be
+    read or is over MAX_CONFIG_BYTES."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size} bytes; a config is at most {MAX_CONFIG_BYTES // 2**10} KiB")
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err})") from None
 
 
 def load_yaml(text: str, where: str):
@@ -679,10 +709,10 @@ def load_run_config(run_dir: str | Path):
     if stage not in STAGE_CONFIGS:
         raise ConfigError(f"{run_dir}: unknown stage {stage!r} in manifest.json")
     cls = STAGE_CONFIGS[stage]
-    values = load_yaml((run_dir / "config.yaml").read_text(), str(run_dir / "config.yaml")) or {}
+    values = load_yaml(read_config_text(run_dir / "config.yaml"), str(run_dir / "config.yaml")) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{run_dir / 'config.yaml'}: expected a mapping of fields")
-    values = under_current_names(cls, values)
+    values = under_current_names(cls, values, str(run_dir / "config.yaml"))
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise ConfigError(f"{run_dir / 'config.yaml'}: unknown field(s) {', '.join(sorted(unknown))}")

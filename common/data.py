@@ -73,6 +73,9 @@ def text_field(row: dict, name: str, where: str, required: bool, label: str | No
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+# The longest line a data file may hold: a paper with its reviews is well under 10 MiB, and a line is
+# read into memory whole (a small .gz can expand to one line of gigabytes).
+MAX_LINE_BYTES = 64 * 2**20
 
 
 def _open_by_content(path: Path):
@@ -99,7 +102,7 @@ def read_jsonl(path: str | Path, skip_invalid: bool = False):
     The file is read in binary, as gzip when its first bytes say so (not its name), and each line is
     decoded here. A line that is not valid UTF-8 or not valid JSON raises DataError naming the file and
     line, or yields (where, None) with skip_invalid. A damaged stream (a gzip cut short, a bad CRC, a
-    file that cannot be read) always raises DataError, skip_invalid or not."""
+    file that cannot be read) or a line over MAX_LINE_BYTES always raises DataError, skip_invalid or not."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -109,15 +112,17 @@ def read_jsonl(path: str | Path, skip_invalid: bool = False):
     except OSError as err:
         raise _stream_error(path, 0, err) from None
     with stream:
-        lines = iter(stream)
         while True:
             try:
-                raw = next(lines)
-            except StopIteration:
-                return
+                raw = stream.readline(MAX_LINE_BYTES + 1)
             except (EOFError, zlib.error, OSError) as err:  # gzip.BadGzipFile is an OSError
                 raise _stream_error(path, lineno + 1, err) from None
+            if not raw:
+                return
             lineno += 1
+            if len(raw) > MAX_LINE_BYTES:  # the rest of the line is never read into memory
+                raise DataError(f"{path}:{lineno}: the line is longer than {MAX_LINE_BYTES} bytes; no row of "
+                                f"the task's format is that long, so this stops the stage: repair the file")
             if not raw.strip():
                 continue
             where = f"{path}:{lineno}"

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import struct
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import cached_file
 
+from common import provenance
 from common.config import MODEL_PACKAGES, ConfigError, ModelArgs
 
 log = logging.getLogger(__name__)
@@ -141,19 +141,67 @@ def _disable_cpu_inference_repack(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+# Each weight file's sha256, by its real path, kept while its size, inode and times are unchanged.
+DIGEST_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "weights_sha256.json"
+
+
 def _weights_digest(name_or_path: str) -> str:
-    """A digest of the weight index (sharded) or of the safetensors header (single file): names,
-    shapes and byte offsets of every tensor, without reading gigabytes of weights."""
+    """A digest of the contents of every weight file (each shard of a sharded model). Two models of
+    the same shapes (a base and an instruct release) have the same names, shapes and offsets: only
+    the weights tell them apart. A file is read once; DIGEST_CACHE keeps its digest."""
     index = cached_file(name_or_path, "model.safetensors.index.json",
                         _raise_exceptions_for_missing_entries=False)
     if index:
-        return hashlib.sha256(Path(index).read_bytes()).hexdigest()
-    weights = cached_file(name_or_path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
-    if not weights:
-        raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) found")
-    with open(weights, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        return hashlib.sha256(f.read(header_len)).hexdigest()
+        weight_map = json.loads(Path(index).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        files = [Path(index).parent / name for name in sorted(set(weight_map.values()))]
+    else:
+        weights = cached_file(name_or_path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if not weights:
+            raise FileNotFoundError(f"{name_or_path}: no model.safetensors(.index.json) found")
+        files = [Path(weights)]
+    return hashlib.sha256("".join(f"{f.name}\0{_file_digest(f)}\0" for f in files).encode()).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a weight file, from DIGEST_CACHE while the file is unchanged: the change time (ctime)
+    moves with any write, even one that keeps the modification time."""
+    st, real = path.stat(), str(path.resolve())
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    try:
+        cache = json.loads(DIGEST_CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    known = cache.get(real)
+    if isinstance(known, dict) and known.get("key") == key and isinstance(known.get("sha256"), str):
+        return known["sha256"]
+    digest = provenance.sha256_file(path)
+    cache[real] = {"key": key, "sha256": digest}
+    try:  # a cache that cannot be written costs time, not correctness
+        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = DIGEST_CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(DIGEST_CACHE)
+    except OSError:
+        pass
+    return digest
+
+
+def _check_context(args, model_config: dict, path: str) -> None:
+    """Generated tokens and their prompt must fit the model's context: the static decoder allocates
+    its cache for all of them up front, so a huge max_new_tokens is gigabytes before the first token."""
+    context = model_config.get("max_position_embeddings")
+    if not isinstance(context, int) or isinstance(context, bool):
+        return
+    prompt = getattr(args, "max_prompt_tokens", 0)
+    for name in ("max_new_tokens", "max_completion_length"):
+        n = getattr(args, name, None)
+        if n is not None and prompt + n > context:
+            raise ConfigError(f"field '{name}' ({n}) + max_prompt_tokens ({prompt}) must fit the model's context "
+                              f"of {context} tokens (max_position_embeddings in {path}/config.json)", name)
 
 
 def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
@@ -169,6 +217,8 @@ def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
                           f"folder with config.json and safetensors weights, or a hub name already downloaded): "
                           f"{(str(err).splitlines() or [type(err).__name__])[0][:120]}", "model_name_or_path") from None
     config.pop("transformers_version", None)
+    if kind == CAUSAL_LM:
+        _check_context(args, config, path)
     identity = {
         "model": args.model_name_or_path,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),

@@ -14,7 +14,7 @@ PACKAGES = ["torch", "transformers", "trl", "peft", "bitsandbytes", "datasets", 
             "sacrebleu", "rouge-score", "wandb"]
 # Files of a run directory that are not its artifacts: its bookkeeping, logs (run.log, and the
 # slurm-<job>.log the Slurm wrapper copies in when the job ends) and trackers.
-NOT_ARTIFACTS = {"manifest.json", "DONE"}
+NOT_ARTIFACTS = {"manifest.json", "DONE", "run.lock"}
 NOT_ARTIFACT_DIRS = {"wandb", "checkpoints"}
 
 

@@ -9,6 +9,7 @@ the stage's other inputs (so no held-out premise was trained on). docs/architect
 from __future__ import annotations
 
 import datetime
+import fcntl
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from common import provenance, tracking
-from common.config import to_dict
+from common.config import PLAIN_PATHS, to_dict
 from common.data import DataError, read_manifest, write_json
 from common.tasks import TASKS
 
@@ -107,14 +108,19 @@ class Run:
         argv = list(sys.argv if argv is None else argv)
         if config.resume:
             self.dir = Path(config.resume)
+            self._lock = hold_lock(self.dir)
             if (self.dir / "DONE").exists():
                 raise RunError(f"--resume {self.dir}: that run is finished (DONE); a finished run is never modified")
             self.manifest = read_manifest(self.dir)
+            if base is not None and self.manifest.get("base") != base:
+                raise RunError(f"--resume {self.dir}: the base model is not the one the run started with (its "
+                               f"fingerprint differs from the manifest's `base`); start a new run")
             self.manifest.setdefault("resumed", []).append(
                 {"argv": argv, "at": provenance.now(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                  "processes": processes()})
         else:
             self.dir = create_run_dir(config.runs_dir, stage, config.run_name)
+            self._lock = hold_lock(self.dir)
             (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
             self.manifest = {
                 "stage": stage, "run_name": self.dir.name, "argv": argv, "overrides": overrides,
@@ -128,6 +134,9 @@ class Run:
             self.pairs_run = str(self.dir.resolve())
         self.manifest.update(pairs_run=self.pairs_run, task=self.task or self.manifest.get("task"))
         self._attach_log()
+        for key, value in overrides.items():  # fast_paths false replaced a value the command line asked for
+            if not config.fast_paths and key in PLAIN_PATHS and getattr(config, key) != value:
+                log.warning("--%s %s is not used: --fast_paths false sets it to %s", key, value, getattr(config, key))
         for name, path in (inputs or {}).items():
             self._record_input(name, Path(path))
         # One W&B group per pipeline: given, else inherited from the inputs, else this (first) run.
@@ -168,11 +177,19 @@ class Run:
     def _record_input(self, name: str, path: Path) -> None:
         manifest = self.inputs[name]
         if manifest is None:  # a data file
-            self.manifest["inputs"][name] = {"path": str(path.resolve()), "sha256": provenance.sha256_file(path)}
+            record = {"path": str(path.resolve()), "sha256": provenance.sha256_file(path)}
+        else:
+            record = {"path": str(path.resolve()), "stage": manifest.get("stage"), "run_name": manifest.get("run_name"),
+                      "sha256": provenance.digest_of(manifest["_digests"])}
+        before = self.manifest["inputs"].get(name)
+        if self.config.resume and before and before.get("sha256") != record["sha256"]:
+            # a segment on other data would leave a run that no single input describes
+            raise RunError(f"--resume {self.dir}: input --{name} {path} is not what the run started with "
+                           f"(sha256 {record['sha256'][:12]}, recorded {str(before.get('sha256'))[:12]}): "
+                           f"a resumed run trains on its first segment's inputs; start a new run")
+        self.manifest["inputs"][name] = record
+        if manifest is None:
             return
-        self.manifest["inputs"][name] = {"path": str(path.resolve()), "stage": manifest.get("stage"),
-                                         "run_name": manifest.get("run_name"),
-                                         "sha256": provenance.digest_of(manifest["_digests"])}
         if self.manifest.get("wandb_group") is None and manifest.get("wandb_group"):
             self.manifest["wandb_group"] = manifest["wandb_group"]  # one W&B group per pipeline
 
@@ -201,7 +218,27 @@ class Run:
         log.info("done: %s", self.dir)
         logging.getLogger().removeHandler(self._handler)
         self._handler.close()
+        self._lock.close()
         print(f"run_dir: {self.dir}", flush=True)  # the one stdout line chaining scripts read
+
+
+LOCK = "run.lock"
+
+
+def hold_lock(run_dir: Path):
+    """An exclusive lock on the run directory for as long as this process runs it (the open file is
+    the lock; the system releases it when the process ends, however it ends). Two processes training
+    one run would both exit 0 with one manifest recording only one of them."""
+    lock = open(run_dir / LOCK, "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise RunError(f"run directory {run_dir} is in use by another process (it holds {run_dir / LOCK}); "
+                       f"one process at a time runs a run: wait for that one to end") from None
+    except OSError as err:  # a file system without locks: the run goes on, unguarded, and says so
+        log.warning("cannot lock %s (%s): nothing stops a second process from running this run", run_dir, err)
+    return lock
 
 
 def check_input(name: str, path) -> dict | None:

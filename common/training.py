@@ -137,17 +137,23 @@ def _checkpointing(cls, config: TrainArgs) -> dict:
 
 
 def last_checkpoint(folder: Path) -> str | None:
-    """The newest complete checkpoint. The Trainer writes trainer_state.json last: a job killed while
-    saving leaves a checkpoint without it, or with it cut short, and resuming from that would fail
-    or count steps from 0 again; the previous complete checkpoint is used instead."""
+    """The newest complete checkpoint to resume from. The Trainer writes trainer_state.json last: a job
+    killed while saving leaves a checkpoint without it, or with it cut short, and resuming from that would
+    fail or count steps from 0 again; the previous complete checkpoint is used instead. A checkpoint of
+    the last step (a run killed while saving its adapter or evaluating) is passed over too: resumed there,
+    the Trainer trains one step past max_steps (it checks the step count only after a step), whereas from
+    the checkpoint before it trains the same last steps as the uninterrupted run."""
     steps = {int(p.name.split("-")[1]): p for p in folder.glob("checkpoint-*") if p.name.split("-")[1].isdigit()}
     for step in sorted(steps, reverse=True):
-        state = steps[step] / "trainer_state.json"
         try:
-            json.loads(state.read_text())
-            return str(steps[step])
+            state = json.loads((steps[step] / "trainer_state.json").read_text())
         except (OSError, ValueError):
             log.warning("ignoring the incomplete checkpoint %s (trainer_state.json missing or cut short)", steps[step])
+            continue
+        if 0 < state.get("max_steps", 0) <= state.get("global_step", 0):
+            log.info("%s is the run's last step: the run continues from the checkpoint before it", steps[step])
+            continue
+        return str(steps[step])
     return None
 
 
@@ -168,9 +174,11 @@ def train(trainer, run) -> dict:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         # Each segment (first start, every resume) is recorded, so the run's runtime is the sum.
+        # patches and backends are this segment's: a resumed segment may run on other hardware or code
         run.manifest.setdefault("segments", []).append(
             {"from_step": _step_of(checkpoint), "to_step": trainer.state.global_step,
-             "runtime_s": round(time.time() - started, 2)})
+             "runtime_s": round(time.time() - started, 2), "patches": run.manifest.get("patches"),
+             "backends": run.manifest.get("backends")})
         run.save_manifest()
     if stopper.stopped_at is not None:
         log.warning("stopped on request at step %d of %d with a checkpoint in %s; the run is not DONE: "

@@ -19,10 +19,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.data import load_split, read_json  # noqa: E402
+from common.data import DataError, load_split, read_json  # noqa: E402
 from common.metrics import bootstrap_ci, wins  # noqa: E402
 from common.rewards import RewardScorer  # noqa: E402
-from common.runs import require_done  # noqa: E402
+from common.runs import RunError, require_done  # noqa: E402
 
 
 def main(runs: list[str]) -> dict:
@@ -59,4 +59,7 @@ def main(runs: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:]), indent=2))
+    try:
+        print(json.dumps(main(sys.argv[1:]), indent=2))
+    except (RunError, DataError) as err:
+        sys.exit(f"error: {err}")

@@ -59,7 +59,8 @@ def unfinished_sft(tmp_path, tiny_model, pairs_run):
     config, overrides = parse_config(SFTStageConfig, ["--config", SFT_YAML, "--pairs_run", str(pairs_run),
                                                       "--runs_dir", str(tmp_path / "runs"), "--max_steps", "4",
                                                       "--run_name", "killed"])
-    Run("SFT", config, overrides, inputs={"pairs_run": pairs_run}, argv=["test"])
+    from common.model import fingerprint
+    Run("SFT", config, overrides, inputs={"pairs_run": pairs_run}, argv=["test"], base=fingerprint(config))
     return tmp_path / "runs" / "killed"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 
 from common.data import SENTENCE_END, DataError, n_words, text_field
 
@@ -21,6 +22,7 @@ INSTRUCTION = ("Below is a post from r/ChangeMyView, where the author asks other
                "Write a reply that could persuade them.\n\n")
 
 REQUIRED_STR = ("op_id", "positive_reply", "negative_reply")
+PERIODS = ("train", "heldout", "unknown")  # source_split: Tan et al.'s split, or unknown (data/cmv/README.md)
 OPTIONAL_STR = ("pair_id", "op_title", "op_text", "source_split")
 
 # The moderators' footnote that closes many CMV posts ("Hello, users of CMV! This is a footnote from
@@ -91,6 +93,12 @@ def scrub(text: str) -> tuple[str, list[str]]:
     return text, fired
 
 
+def _words(text: str) -> list[str]:
+    """The words a reader sees: invisible format characters (zero-width space, joiners, soft hyphen)
+    removed, so two replies that differ only by them are the same reply."""
+    return "".join(c for c in text if unicodedata.category(c) != "Cf").split()
+
+
 def content_id(group_id: str, winner: str, loser: str) -> str:
     """A stable id for a row without `pair_id`: the digest of what the pair says (post and both replies,
     as written), so the same row read again, from any line or file, gets the same id."""
@@ -148,7 +156,7 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
         scrubbed += [f"winner_{n}" for n in fired_w] + [f"loser_{n}" for n in fired_l]
         if not winner or not loser:
             return "empty_after_scrub"
-    if winner.split() == loser.split():  # the same words: nothing for a judge to tell apart
+    if _words(winner) == _words(loser):  # the same words: nothing for a judge to tell apart
         return "identical_replies"
     return {
         "id": (fields["pair_id"] or "").strip() or content_id(fields["op_id"], winner, loser),
@@ -170,8 +178,13 @@ READOUT_SCALE = None  # a reply has no rating to read out
 
 
 def rows_from(row, where: str, config) -> list[dict] | str:
-    """Stage 01: one source row -> [its pair], or a drop reason."""
+    """Stage 01: one source row -> [its pair], or a drop reason. Split by period, a row must say its
+    period: any other value (`HeldOut`, null) would put a later post in train or dev unnoticed."""
     pair = to_pair(row, where, config.premise_words, config.scrub_giveaways)
+    if getattr(config, "split_by", None) == "period" and not isinstance(pair, str) \
+            and pair["source_split"] not in PERIODS:
+        raise DataError(f"{where}: field 'source_split' must be one of {', '.join(map(repr, PERIODS))} with "
+                        f"split_by period, got {pair['source_split']!r}")
     return pair if isinstance(pair, str) else [pair]
 
 

@@ -65,7 +65,10 @@ _RULE = re.compile(r"^\s*([-=*_])\1{2,}\s*$")
 _HEADING = re.compile(r"^\s*(#+\s*.*|\*\*[^*]+\*\*:?|[^.!?]{1,60}:|\w+(?: [\w&/-]+){0,2})\s*$")
 # A rating is the label, a colon (or "="), the number, and maybe its scale ("5/6", "5 out of 6"): a
 # mention in prose ("the overall quality 1 of the writing") is not one, nor a number on another scale.
-_RATING = {key: re.compile(label + r"\s*[:：=]\s*(-?\d+(?:\.\d+)?)(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?", _I)
+# The number must end where it ends: "1e1" or "4x" is no rating (not 1 or 4). The last label decides,
+# so a label without a readable number gives no rating.
+_RATING = {key: re.compile(label + r"\s*[:：=]\s*(?:(-?\d+(?:\.\d+)?)(?!\w|\.\d)"
+                          r"(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?)?", _I)
            for key, label in (("overall", r"overall\s+quality"), ("confidence", r"review\s+confidence"))}
 
 
@@ -253,7 +256,7 @@ def parse_review(text: str) -> dict:
     for key, pattern in _RATING.items():
         low, high = SCALES[key]
         found = pattern.findall(text)
-        value, scale = (float(found[-1][0]), found[-1][1]) if found else (None, "")
+        value, scale = (float(found[-1][0]), found[-1][1]) if found and found[-1][0] else (None, "")
         out[key] = value if value is not None and low <= value <= high and scale in ("", str(high)) else None
     return out
 
@@ -388,7 +391,9 @@ READING = "for a paper, its first window: the rest of a long paper is not seen w
 # this header, and the model's next token over the scale.
 RATING_HEADER = "### Rating\nOverall Quality:"
 READOUT_SCALE = SCALES["overall"]
-_RATING_SECTION = re.compile(r"^[ \t#*_]*rating\b|overall\s+quality", _IM)
+# A line that is a rating heading ("### Rating", "Rating: 4"), or the "Overall Quality:" label (with its
+# colon, as parse_review reads it); prose on the overall quality of something does not start the section.
+_RATING_SECTION = re.compile(r"^[ \t#*_]*rating(?:[ \t*_]*$|[ \t*_]*[:：])|[#*_]*overall\s+quality[ \t*_]*[:：=]", _IM)
 
 
 def readout_turn(reply: str) -> str:
