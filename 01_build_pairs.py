@@ -120,27 +120,28 @@ def main(config: PairsConfig, overrides: dict) -> None:
         if config.split_by == "period" else []
     length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()} if task.PAIRWISE else None
     kinds_before = length_kinds(examples) if task.PAIRWISE else None
-    for name in SPLITS:
+    for name in splits:
         splits[name], removed = balance_split(splits[name], strategy, config.max_length_ratio, config.seed)
         dropped.update(removed)
         n_used -= sum(removed.values())  # a CMV row is one pair: a pair balanced away is its row dropped
 
+    kept = SPLITS if config.split_by == "period" else tuple(n for n in SPLITS if n != "dev_later")
     # 4. Write the splits and the accounting: n_rows_used + sum(dropped) == n_input_rows.
-    for name in SPLITS:
+    for name in kept:
         write_jsonl(run.dir / f"{name}.jsonl", splits[name])
     metrics = {
         "task": task.NAME,
         "n_input_rows": n_rows,
         "n_rows_used": n_used,
-        "n_pairs": {name: len(splits[name]) for name in SPLITS},  # examples (pairs, review targets) per split
-        "n_groups": {name: len({p["group_id"] for p in splits[name]}) for name in SPLITS},
+        "n_pairs": {name: len(splits[name]) for name in kept},  # examples (pairs, review targets) per split
+        "n_groups": {name: len({p["group_id"] for p in splits[name]}) for name in kept},
         "split_by": config.split_by,
         # the source's periods in each split, as kept (CMV: train, heldout = the later period, unknown)
         "source_split": {name: dict(sorted(Counter(str(p.get("source_split")) for p in splits[name]).items()))
-                         for name in SPLITS},
+                         for name in kept},
         "dropped": dict(sorted(dropped.items())),
         "input_units": dict(sorted(units.items())),  # review: every input review, used or not
-        "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in SPLITS} if task.PAIRWISE else None,
+        "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in kept} if task.PAIRWISE else None,
         "length_only_accuracy_before_balancing": length_before,
         "length_balance": strategy,
         "length_kinds_before_balancing": kinds_before,

@@ -174,8 +174,8 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
         judge = (f" {_fmt(r.get('reward_mean'))} | {_with_ci(r, 'win_rate_vs_base')} | "
                  f"{_with_ci(r, 'lc_win_rate_vs_base')} |") if rewards else ""
         lines.append(f"| {name} |{judge} {r['bleu4']:.2f} | {r['rouge1']:.3f} | {r['rouge2']:.3f} | "
-                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {r['looped_share']:.2f} | "
-                     f"{r['premise_copy_share']:.3f} | {r['distinct_2']:.3f} |")
+                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {_fmt(r.get('looped_share'))} | "
+                     f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} |")
     lines += sections or []
     if judge_verdict:
         lines += ["", "## The judge", "", f"From the reward run's judge_audit.json: {judge_verdict}"]

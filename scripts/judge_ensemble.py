@@ -58,8 +58,12 @@ def main(runs: list[str]) -> dict:
     return out
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # --out FILE: the JSON there (stdout may carry the libraries' notices)
+    args = sys.argv[1:]
+    out = Path(args.pop(args.index("--out") + 1)) if "--out" in args else None
+    args = [a for a in args if a != "--out"]
     try:
-        print(json.dumps(main(sys.argv[1:]), indent=2))
+        result = json.dumps(main(args), indent=2)
     except (RunError, DataError) as err:
         sys.exit(f"error: {err}")
+    out.write_text(result) if out else print(result)

@@ -44,7 +44,7 @@ wait_for_all
 judges=()
 for name in "${!CANDIDATES[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
 mapfile -t two < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
-"$PY" scripts/judge_ensemble.py "${two[@]}" > "$SUMMARY_DIR/judges_later_posts_ensemble.json"
+"$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" \
   --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 echo "judges on later posts finished in $(( $(date +%s) - start )) s; pairs run: $pairs"

@@ -158,15 +158,18 @@ def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
     proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "summary" / "judges_later_posts.json").read_text())
-    names = {"minilm_pairwise", "minilm_pointwise", "smollm2_decoder", "minilm_pairwise_early_stopping",
-             "minilm_pairwise_reply_only", "ensemble"}
-    assert set(summary["judges"]) == names
-    for row in summary["judges"].values():
-        assert row["dev"]["period"] == "in-period" and row["test"]["period"] == "period"
-        for split in ("dev", "test"):
+    names = {"minilm_pairwise", "minilm_pairwise_premise256", "minilm_pairwise_lr5e-5_3ep", "minilm_pairwise_seed7",
+             "minilm_pointwise", "minilm_pairwise_reply_only", "smollm2_decoder", "smollm2_decoder_lr3e-4", "ensemble"}
+    assert set(summary["judges"]) == names and summary["chosen_on"] == "dev_later"
+    for name, row in summary["judges"].items():
+        if name != "ensemble":
+            assert row["dev"]["period"] == "in-period" and row["test"]["period"] == "period"
+        for split in ("dev_later", "test"):
             low, high = row[split]["accuracy_ci95"]
             assert 0 <= low <= row[split]["accuracy"] <= high <= 1
             assert 0 <= row[split]["length_only"] <= 1 and 0 <= row[split]["bag_of_words"] <= 1
         assert isinstance(row["meets_target_on_later_posts"], bool)
-    assert summary["judges"]["minilm_pairwise_early_stopping"]["early_stopping"]["best_step"] >= 1
+    default = [n for n, row in summary["judges"].items() if row.get("default")]
+    best = max((n for n in names - {"ensemble"}), key=lambda n: summary["judges"][n]["dev_later"]["accuracy"])
+    assert default == [best] and proc.stdout.strip().splitlines()[-1].startswith(f"best: {best} ")
     assert len(summary["judges"]["ensemble"]["runs"]) == 2
