@@ -153,8 +153,8 @@ def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
         vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
     tokenizer.save_pretrained(bert)
-    env = {**os.environ, "RUNS_DIR": str(tmp_path / "my runs"),  # a space in it: every path stays whole "SUMMARY_DIR": str(tmp_path / "summary"),
-           "RECIPE_03": "configs/tiny", "MINILM": str(bert), "LONG_EPOCHS": "3", "PY": sys.executable}
+    env = {**os.environ, "RUNS_DIR": str(tmp_path / "my runs"),  # a space in it: every path stays whole
+           "SUMMARY_DIR": str(tmp_path / "summary"), "RECIPE_03": "configs/tiny", "MINILM": str(bert), "LONG_EPOCHS": "3", "PY": sys.executable}
     proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "summary" / "judges_later_posts.json").read_text())
