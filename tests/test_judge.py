@@ -345,8 +345,9 @@ def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
         torch._dynamo.reset()
     # bf16: a few units in the last place. A GPU's kernels sum in another order for each layout
     # (FlexAttention's one row, SDPA's rows, the padded batches), and bf16's unit grows with the score:
-    # 2^-6 of a score there (two units of bf16's 8-bit mantissa), still well under the gaps checked below.
-    tolerance = dict(rel=2 ** -6, abs=0.05) if torch.cuda.is_available() else dict(abs=0.05)
+    # 2^-4 of a score there (four units of bf16's 8-bit mantissa: one H200 run saw 0.0625 at a score of
+    # 3.2), still well under the gaps checked below.
+    tolerance = dict(rel=2 ** -4, abs=0.05) if torch.cuda.is_available() else dict(abs=0.05)
     for scores in (packed, one_row, alone, flex):
         assert scores == pytest.approx(padded, **tolerance)
     gaps = [abs(a - b) for i, a in enumerate(padded) for b in padded[i + 1:]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import run_dir_of, run_stage
 
 from common.best_of_n import keep_best
@@ -104,7 +105,8 @@ def test_best_of_n_keeps_the_training_judges_favourite(from_base):
         assert len(best["candidates"]) == 3
         prompt = fit_prompt(tokenizer, premise["prompt"], config.max_prompt_tokens)
         by_hand = judge.score([prompt] * 3, best["candidates"])
-        assert by_hand == pytest.approx(best["candidate_scores"], abs=1e-4)
+        # the same batch as in stage 05; on a GPU the bf16 judge's kernels may still round a unit apart
+        assert by_hand == pytest.approx(best["candidate_scores"], abs=5e-3 if torch.cuda.is_available() else 1e-4)
         assert best["reply"] == best["candidates"][max(range(3), key=by_hand.__getitem__)]
         # scored again among every model's replies: the bf16 judge rounds a little differently in another batch
         assert best["reward"] == pytest.approx(max(by_hand), abs=0.01)
