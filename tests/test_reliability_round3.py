@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_dir_of, run_in_process
+from conftest import REPO, error_line, run_dir_of, run_in_process
 
 from common.cli import parse_config
 from common.config import ConfigError, EvalConfig, PairsConfig
@@ -21,15 +21,7 @@ from common.tasks import cmv, review
 PAIRS_01 = "configs/tiny/01_build_pairs.yaml"
 
 
-def _error(proc, runs: Path | None = None) -> str:
-    """The one error line; with `runs`, no run directory may exist (the input was checked up front)."""
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: "), proc.stderr[-3000:]
-    if runs is not None:
-        assert not runs.exists() or not any(runs.iterdir()), sorted(runs.iterdir())
-    return line
+_error = error_line
 
 
 # --- the command line -------------------------------------------------------------------------------
