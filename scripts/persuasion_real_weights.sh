@@ -24,12 +24,12 @@ GRPO_ARGS=${GRPO_ARGS:-}
 BEST_OF_N=${BEST_OF_N:-4}
 MAX_PREMISES=${MAX_PREMISES:-1000}
 mkdir -p "$SUMMARY_DIR" "$LOGS"
-declare -A DECODINGS=(
-  [greedy]="--temperature 0"
-  [greedy_repetition_penalty_1.2]="--repetition_penalty 1.2"
-  [greedy_no_4gram_twice]="--no_repeat_ngram_size 4"
-  [sampled_0.7_no_4gram_twice]="--temperature 0.7 --no_repeat_ngram_size 4"
-  [sampled_1.0]="--temperature 1.0"
+declare -A DECODINGS=(  # each sets all three fields: the recipe's own decoding is not a starting point
+  [greedy]="--temperature 0 --repetition_penalty 1 --no_repeat_ngram_size 0"
+  [greedy_repetition_penalty_1.2]="--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"
+  [greedy_no_4gram_twice]="--temperature 0 --repetition_penalty 1 --no_repeat_ngram_size 4"
+  [sampled_0.7_no_4gram_twice]="--temperature 0.7 --repetition_penalty 1 --no_repeat_ngram_size 4"
+  [sampled_1.0]="--temperature 1.0 --repetition_penalty 1 --no_repeat_ngram_size 0"
 )
 declare -A GRPO_RECIPES=(
   [lr2e-5]="--learning_rate 2e-5"
