@@ -53,6 +53,35 @@ from common.training import save_adapter, train, trainer_args
 log = logging.getLogger("pipeline")
 
 
+def build_trainer(config: RewardStageConfig, run, scorer, train_rows: list[dict], dev_rows: list[dict]):
+    """Pairwise: TRL's RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
+    With early stopping the audit split's loss is measured after every epoch and the best epoch's weights
+    are kept. Returns the trainer and how many pairs RewardTrainer dropped for their length."""
+    model, tokenizer = scorer.model, scorer.tokenizer
+    stopping = dict(eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
+                    metric_for_best_model="eval_loss", greater_is_better=False) if config.early_stopping_patience else {}
+    if stopping and not dev_rows:
+        raise RunError(f"early_stopping_patience: no {config.audit_split} pairs to stop on")
+    callbacks = [EarlyStoppingCallback(config.early_stopping_patience)] if stopping else None
+    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    if config.judge_objective == "pairwise":
+        train_set = preference_dataset(train_rows, scorer)
+        trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length,
+                                                               **stopping),
+                                processing_class=tokenizer, train_dataset=train_set, callbacks=callbacks,
+                                eval_dataset=preference_dataset(dev_rows, scorer) if stopping else None)
+    else:  # the scorer already cut every reply to max_length: nothing is dropped
+        train_set = pointwise_dataset(train_rows, scorer)
+        set_up_like_reward_trainer(model, config.gradient_checkpointing)
+        trainer = Trainer(model=model, args=trainer_args(TrainingArguments, config, run, **stopping),
+                          train_dataset=train_set, eval_dataset=pointwise_dataset(dev_rows, scorer) if stopping else None,
+                          processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
+                          compute_loss_func=pointwise_loss, callbacks=callbacks)
+    run.manifest["patches"] = fast.apply(trainer, config)
+    run.manifest["backends"] = fast.backends(config, run.manifest["patches"], judge_scoring=scorer.scoring)
+    return trainer, len(train_set) - len(trainer.train_dataset)
+
+
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
@@ -80,35 +109,13 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
     scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
     model, tokenizer = scorer.model, scorer.tokenizer
-    # Early stopping: the audit split's loss after every epoch; the best epoch's weights are kept.
-    stopping = dict(eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True,
-                    metric_for_best_model="eval_loss", greater_is_better=False) if config.early_stopping_patience else {}
-    if stopping and not dev_rows:
-        raise RunError(f"early_stopping_patience: no {config.audit_split} pairs to stop on")
-    callbacks = [EarlyStoppingCallback(config.early_stopping_patience)] if stopping else None
-    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
-    if config.judge_objective == "pairwise":
-        train_set = preference_dataset(train_rows, scorer)
-        trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length,
-                                                               **stopping),
-                                processing_class=tokenizer, train_dataset=train_set, callbacks=callbacks,
-                                eval_dataset=preference_dataset(dev_rows, scorer) if stopping else None)
-    else:  # the scorer already cut every reply to max_length: nothing is dropped
-        train_set = pointwise_dataset(train_rows, scorer)
-        set_up_like_reward_trainer(model, config.gradient_checkpointing)
-        trainer = Trainer(model=model, args=trainer_args(TrainingArguments, config, run, **stopping),
-                          train_dataset=train_set, eval_dataset=pointwise_dataset(dev_rows, scorer) if stopping else None,
-                          processing_class=tokenizer, data_collator=PadRight(tokenizer.pad_token_id),
-                          compute_loss_func=pointwise_loss, callbacks=callbacks)
-    run.manifest["patches"] = fast.apply(trainer, config)
-    run.manifest["backends"] = fast.backends(config, run.manifest["patches"], judge_scoring=scorer.scoring)
-    n_dropped = len(train_set) - len(trainer.train_dataset)
+    trainer, n_dropped = build_trainer(config, run, scorer, train_rows, dev_rows)
     if n_dropped:
         log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
 
     # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
     metrics = train(trainer, run)
-    if stopping:  # the weights now are the best epoch's (load_best_model_at_end)
+    if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
         metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
                                      f"best_{config.audit_split}_loss": trainer.state.best_metric,
                                      "epochs_trained": trainer.state.epoch}
