@@ -40,10 +40,10 @@ from common.cli import cli
 from common.config import PairsConfig
 from common.data import (
     DataError,
+    SeenRows,
     balance_split,
     length_kinds,
     length_only_accuracy,
-    premise_digest,
     read_jsonl,
     split_by_group,
     split_by_period,
@@ -69,7 +69,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
     # 2. Source rows -> examples (CMV: one pair; review: one paper's target, or one per review), every
     #    row either used or counted under a drop reason, and every unit inside a row counted too.
     n_rows, n_used, dropped, scrubbed, units = 0, 0, Counter(), Counter(), Counter()
-    examples, seen_ids, seen_content, premises = [], set(), set(), {}
+    examples, seen = [], SeenRows()
     for path in config.data:
         rows_before = n_rows
         for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
@@ -85,19 +85,14 @@ def main(config: PairsConfig, overrides: dict) -> None:
                 dropped["bad_row"] += 1
                 continue
             reason = made if isinstance(made, str) else None
-            if reason is None and any(e["id"] in seen_ids or _content(e) in seen_content for e in made):
-                reason = "duplicate_pair"  # same id, or the same premise and replies as an earlier row
-            elif reason is None and any(premises.get(premise_digest(e), e["group_id"]) != e["group_id"] for e in made):
-                reason = "duplicate_premise"  # under another post or paper id it could land in two splits
+            reason = reason or seen.repeat(made)  # an earlier row's pair, or its premise under another id
             units.update({f"{k}{'' if reason is None else '_in_dropped_rows'}": v for k, v in task.input_units(row).items()})
             if reason is not None:
                 dropped[reason] += 1
                 continue
             n_used += 1
+            seen.add(made)
             for e in made:
-                seen_ids.add(e["id"])
-                seen_content.add(_content(e))
-                premises.setdefault(premise_digest(e), e["group_id"])
                 scrubbed.update(e.get("scrubbed", []))  # texts whose give-aways were removed, by rule
                 examples.append(e)
         if n_rows == rows_before:
@@ -168,10 +163,6 @@ def main(config: PairsConfig, overrides: dict) -> None:
                           f"{', '.join(config.data)} (dropped: {metrics['dropped'] or 'none'}): check --data and "
                           f"the split and length settings")
     run.finish(metrics)
-
-
-def _content(example: dict) -> tuple:
-    return premise_digest(example), example["chosen"], example.get("rejected")
 
 
 def _kept_share(splits: dict, kinds: dict) -> float | None:

@@ -183,6 +183,35 @@ def premise_digest(row: dict) -> str:
     return hashlib.sha256(json.dumps(row["prompt"]).encode()).hexdigest()
 
 
+class SeenRows:
+    """The examples kept so far, to drop repeats (stage 01, and 05's --eval_data): a row with an example of
+    an earlier id, or of the same premise and replies as an earlier one, is a `duplicate_pair`; one whose
+    premise text was kept under another post or paper id is a `duplicate_premise` (it could land in two
+    splits, or be scored twice)."""
+
+    def __init__(self):
+        self.ids: set[str] = set()
+        self.contents: set[tuple] = set()
+        self.premises: dict[str, str] = {}
+
+    def repeat(self, examples: list[dict]) -> str | None:
+        if any(e["id"] in self.ids or self._content(e) in self.contents for e in examples):
+            return "duplicate_pair"
+        if any(self.premises.get(premise_digest(e), e["group_id"]) != e["group_id"] for e in examples):
+            return "duplicate_premise"
+        return None
+
+    def add(self, examples: list[dict]) -> None:
+        for e in examples:
+            self.ids.add(e["id"])
+            self.contents.add(self._content(e))
+            self.premises.setdefault(premise_digest(e), e["group_id"])
+
+    @staticmethod
+    def _content(example: dict) -> tuple:
+        return premise_digest(example), example["chosen"], example.get("rejected")
+
+
 def one_per_group(rows: list[dict]) -> list[dict]:
     """The first row of each group (premise): a post with several pairs is prompted once."""
     seen, out = set(), []

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.config import ConfigError, load_run_config
-from common.data import DataError, load_split, one_per_group, premise_digest, read_json, read_jsonl
+from common.data import DataError, SeenRows, load_split, one_per_group, premise_digest, read_json, read_jsonl
 from common.runs import RunError, check_input
 
 # What made a finished eval run's replies and what they answer: --replies_from takes them from that
@@ -65,7 +65,7 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
     trained = load_split(config.pairs_run, "train") + load_split(config.pairs_run, "dev")
     posts, texts = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}
     nouns = task.NOUNS["premises"]
-    examples, seen_ids, seen_content, seen_premises, files = [], set(), set(), {}, []
+    examples, seen, files = [], SeenRows(), []
     for path in config.eval_data:
         n_rows, n_used, dropped, units, overlap = 0, 0, Counter(), Counter(), []
         for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
@@ -81,12 +81,8 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
             elif any(e["group_id"] in posts or premise_digest(e) in texts for e in made):
                 reason = OVERLAP
                 overlap.append(made[0]["group_id"])
-            elif any(e["id"] in seen_ids or _content(e) in seen_content for e in made):
-                reason = "duplicate_pair"
-            elif any(seen_premises.get(premise_digest(e), e["group_id"]) != e["group_id"] for e in made):
-                reason = "duplicate_premise"  # the same text under another id: it would be scored twice
             else:
-                reason = None
+                reason = seen.repeat(made)  # an earlier row's pair, or its premise under another id
             if reason != "bad_row":
                 units.update({f"{k}{'' if reason is None else '_in_dropped_rows'}": v
                               for k, v in task.input_units(row).items()})
@@ -94,11 +90,8 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
                 dropped[reason] += 1
                 continue
             n_used += 1
-            for e in made:
-                seen_ids.add(e["id"])
-                seen_content.add(_content(e))
-                seen_premises.setdefault(premise_digest(e), e["group_id"])
-                examples.append(e)
+            seen.add(made)
+            examples.extend(made)
         if not n_rows:
             raise DataError(f"{path}: no rows (the file is empty or holds only blank lines): nothing to score")
         if overlap and not config.skip_overlap:
@@ -113,11 +106,6 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
                         f"{'; '.join(str(f['dropped']) for f in files)})")
     return premises[: config.max_premises], {"files": files, "n_premises": len(premises),
                                              "n_scored": min(len(premises), config.max_premises)}
-
-
-def _content(example: dict) -> tuple:
-    """What makes two rows the same pair, whatever their ids (as stage 01 compares them)."""
-    return premise_digest(example), example["chosen"], example.get("rejected")
 
 
 def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
