@@ -113,14 +113,14 @@ def main(config: PairsConfig, overrides: dict) -> None:
     # Rows of unknown (or another) period that went to test with their post's later-period rows.
     moved = [p for p in splits["test"] + splits["dev_later"] if p.get("source_split") != "heldout"] \
         if config.split_by == "period" else []
-    length_before = {name: length_only_accuracy(rows) for name, rows in splits.items()} if task.PAIRWISE else None
+    kept = SPLITS if config.split_by == "period" else tuple(n for n in SPLITS if n != "dev_later")
+    length_before = {name: length_only_accuracy(splits[name]) for name in kept} if task.PAIRWISE else None
     kinds_before = length_kinds(examples) if task.PAIRWISE else None
     for name in splits:
         splits[name], removed = balance_split(splits[name], strategy, config.max_length_ratio, config.seed)
         dropped.update(removed)
         n_used -= sum(removed.values())  # a CMV row is one pair: a pair balanced away is its row dropped
 
-    kept = SPLITS if config.split_by == "period" else tuple(n for n in SPLITS if n != "dev_later")
     # 4. Write the splits and the accounting: n_rows_used + sum(dropped) == n_input_rows.
     for name in kept:
         write_jsonl(run.dir / f"{name}.jsonl", splits[name])
