@@ -110,9 +110,9 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     if judge.tripped:  # unfinished on purpose (no DONE): stage 05 must not take this policy
         run.fail({**metrics, "stopped_by_guard": judge.tripped}, judge.tripped)
     tied = [e["frac_reward_zero_std"] for e in metrics["log_history"] if "frac_reward_zero_std" in e]
-    if tied and min(tied) == 1.0:  # every advantage was zero: the adapter is the SFT one, not a GRPO policy
+    if tied and min(tied) == 1.0:  # every advantage was zero: the adapter is the one it started from
         run.fail(metrics, "every group of replies got equal rewards at every step, so GRPO's advantages were all "
-                 "zero and the policy never moved from the SFT adapter (identical replies, or a judge that scores "
+                 "zero and the policy never moved from where it started (identical replies, or a judge that scores "
                  "them alike: see frac_reward_zero_std in metrics.json)")
     run.finish(metrics)
 
