@@ -163,6 +163,10 @@ class CrossFitScorer:
     def scoring(self) -> str:
         return self.scorers[0].scoring
 
+    @property
+    def backends(self) -> dict:
+        return {"judge_scoring": self.scoring}
+
     def fingerprints(self) -> dict:
         """Each fold judge's `judge` fingerprint, by run name, as 05's manifest records its judges."""
         return {Path(p).name: read_json(Path(p) / "manifest.json").get("judge") for p in self.runs}
@@ -184,8 +188,8 @@ def load_judge(source, batch_size: int = 8, packed: bool = True):
     """A judge's scorer: a Reward run's (its path), or a cross-fit's (a CrossFitScorer, its k judges loaded)."""
     if isinstance(source, CrossFitScorer):
         return source.load(batch_size, packed)
-    from common.rewards import RewardScorer
-    return RewardScorer.from_run(source, batch_size=batch_size, packed=packed)
+    from common.scorers import load_scorer
+    return load_scorer(f"run:{source}", batch_size=batch_size, packed=packed)
 
 
 def _period(config) -> str:

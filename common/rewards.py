@@ -106,6 +106,7 @@ class RewardScorer:
     def __init__(self, model, tokenizer, max_prompt_tokens: int, max_length: int, batch_size: int = 8,
                  kind: str = SEQ_CLS, packed: bool = True):
         self.model, self.tokenizer, self.kind = model, tokenizer, kind
+        self.name = "judge"  # a Scorer (common/scorers.py); from_run names it after its run
         self.packed = packed and kind == SEQ_CLS  # False: right-padded batches, as transformers scores them
         self.max_prompt_tokens, self.max_length, self.batch_size = max_prompt_tokens, max_length, batch_size
         self._fitted: dict[str, list[dict]] = {}  # prompt -> prompt cut to max_prompt_tokens (GRPO scores 4 replies each)
@@ -118,6 +119,10 @@ class RewardScorer:
         """How it scores, for a manifest's `judge_scoring`: "packed" (the replies to a prompt share it) or
         "padded" (transformers' padded rows)."""
         return "packed" if self.packed else "padded"
+
+    @property
+    def backends(self) -> dict:
+        return {"judge_scoring": self.scoring}
 
     @classmethod
     def load(cls, config: RewardStageConfig, adapter: str | Path | None = None, trainable: bool = True,
@@ -144,7 +149,9 @@ class RewardScorer:
             if key in recorded and recorded[key] != now[key]:
                 raise RunError(f"judge of reward run {reward_run.name} changed since it was trained: field "
                                f"'{key}' is {now[key]!r} now but {recorded[key]!r} in its manifest")
-        return cls.load(trained, adapter=reward_run / "adapter", trainable=False, batch_size=batch_size, packed=packed)
+        scorer = cls.load(trained, adapter=reward_run / "adapter", trainable=False, batch_size=batch_size, packed=packed)
+        scorer.name = reward_run.name
+        return scorer
 
     def encode(self, prompt: list[dict], reply: str) -> list[int]:
         if self.kind == ENCODER:
