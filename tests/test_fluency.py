@@ -1,0 +1,38 @@
+"""The fluency scorer (common/fluency.py): a real language model tells prose from word salad."""
+import math
+import random
+
+from common.fluency import FluencyScorer, perplexity
+from common.scorers import Scorer, load_scorer
+
+REPLY = ("I think you are underestimating how much public transport depends on density. In a city where most "
+         "people live far from the centre, a bus line cannot run often enough to be useful, so people keep their "
+         "cars. That is why the cities you mention built housing near the stations first.")
+
+
+def salad(text: str, seed: int = 0) -> str:
+    words = text.split()
+    random.Random(seed).shuffle(words)
+    return " ".join(words)
+
+
+def test_salad_and_loops_score_below_the_reply(smol_model):
+    scorer = load_scorer(f"fluency:{smol_model}", batch_size=2)
+    assert isinstance(scorer, Scorer) and scorer.family == "llama"
+    real, shuffled, short = scorer.score([[]] * 3, [REPLY, salad(REPLY), ""])
+    assert real > shuffled + 1.0  # nats a token: shuffling costs far more than noise
+    assert math.isnan(short)  # nothing to predict
+
+
+def test_scores_do_not_depend_on_the_batch(smol_model):
+    replies = [REPLY, salad(REPLY, 1), REPLY[:80], "Yes."]
+    together = FluencyScorer(smol_model, batch_size=4).score([[]] * 4, replies)
+    alone = [FluencyScorer(smol_model, batch_size=1).score([[]], [r])[0] for r in replies]
+    for a, b in zip(together, alone):
+        assert abs(a - b) < 1e-4
+
+
+def test_perplexity_of_fixed_log_probs():
+    assert perplexity([-1.0, -3.0]) == math.exp(2.0)
+    assert perplexity([math.nan, -2.0]) == math.exp(2.0)
+    assert math.isnan(perplexity([]))
