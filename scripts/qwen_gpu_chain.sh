@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The qwen-gpu persuasion chain on one GPU machine without network, and how coherent each writer is
+# before any training (docs/results.md, "Real weights: Qwen 1.5B"):
+#   1. the models from their carried parts (python -m common.local_models; PARTS, default /tmp/parts):
+#      Qwen2.5-Coder-1.5B-Instruct (the writer), Gemma-3-270M (a judge of another family and the fluency
+#      LM), SmolLM2-135M-Instruct (the smol-gpu writer, and a Llama-family judge)
+#   2. scripts/persuasion_real_weights.sh with RECIPE=configs/qwen-gpu (judges of three families:
+#      MiniLM, SmolLM2, Gemma; OTHER_FAMILIES and GRPO_ONLY below size it for one GPU)
+#   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
+#      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py)
+# Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
+source "$(dirname "$0")/demo_lib.sh"
+PARTS=${PARTS:-/tmp/parts}
+LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
+export OTHER_FAMILIES=${OTHER_FAMILIES:-gemma} GRPO_ONLY=${GRPO_ONLY:-lr1e-4 lr1e-4_beta0.04_temperature0.8}
+t0=$(date +%s)
+"$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --parts "$PARTS" >&2
+"$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --parts "$PARTS" >&2
+"$PY" -m common.local_models smol --out .cache/models/smollm2-135m-instruct >&2
+built=$(( $(date +%s) - t0 ))
+# the GPU's peak memory, sampled every 5 s while the chain runs
+( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done ) > "$LOGS/gpu_memory.txt" &
+sampler=$!
+t1=$(date +%s)
+RECIPE=configs/qwen-gpu PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml SUMMARY_DIR=$RUNS_DIR LOGS=$LOGS \
+  bash scripts/persuasion_real_weights.sh > "$LOGS/chain.out" 2> "$LOGS/chain.err"
+chain=$(( $(date +%s) - t1 ))
+kill "$sampler"
+evalrun=$(grep -o 'eval [^ ]*Eval_Run[0-9]*' "$LOGS/chain.err" | tail -1 | cut -d' ' -f2)
+pairs=$("$PY" -c "import json,sys; print(json.load(open('$evalrun/manifest.json'))['pairs_run'])")
+decoding=$("$PY" -c "
+import json; d = json.load(open('$evalrun/manifest.json'))['decoding']
+print(f\"--temperature {d['temperature']} --repetition_penalty {d['repetition_penalty']} --no_repeat_ngram_size {d['no_repeat_ngram_size']}\")")
+# shellcheck disable=SC2086
+smol=$(stage 05_eval.py --config configs/smol-gpu/05_eval.yaml --pairs_run "$pairs" $decoding --run_name SmolBase_Eval)
+for w in "qwen:$evalrun" "smol:$smol"; do
+  "$PY" scripts/reply_fluency.py "${w#*:}/replies.jsonl" .cache/models/gemma-3-270m --premises 1000 \
+    --models base > "$LOGS/fluency_${w%%:*}.json"
+done
+"$PY" - "$RUNS_DIR/qwen_gpu_chain.json" "$evalrun" "$smol" "$LOGS" "$built" "$chain" <<'PY'
+import json, sys
+out, evalrun, smol, logs, built, chain = sys.argv[1:]
+def speed(run):  # each model's generate speed, as 05 measured it
+    return {m: r["generation"] for m, r in json.load(open(f"{run}/eval.json")).items()
+            if isinstance(r, dict) and "generation" in r}
+peak = max((int(x) for x in open(f"{logs}/gpu_memory.txt").read().split() if x.isdigit()), default=None)
+json.dump({"models_built_s": int(built), "chain_s": int(chain), "peak_gpu_memory_mib": peak, "eval_run": evalrun,
+           "generation_speed": {"qwen": speed(evalrun), "smol": speed(smol)},
+           "base_reply_fluency_under_gemma": {w: json.load(open(f"{logs}/fluency_{w}.json"))["models"]["base"]
+                                              for w in ("qwen", "smol")}}, open(out, "w"), indent=2)
+print(open(out).read())
+PY
