@@ -26,7 +26,7 @@ RECIPE=configs/qwen-gpu PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml SUMMAR
   bash scripts/persuasion_real_weights.sh > "$LOGS/chain.out" 2> "$LOGS/chain.err"
 chain=$(( $(date +%s) - t1 ))
 kill "$sampler"
-evalrun=$(grep -o 'eval [^ ]*Eval_Run[0-9]*' "$LOGS/chain.err" | tail -1 | cut -d' ' -f2)
+evalrun=$(grep -o 'eval [^ ]*Eval_Run[0-9]*' "$LOGS/chain.out" | tail -1 | cut -d' ' -f2)
 pairs=$("$PY" -c "import json,sys; print(json.load(open('$evalrun/manifest.json'))['pairs_run'])")
 decoding=$("$PY" -c "
 import json; d = json.load(open('$evalrun/manifest.json'))['decoding']
