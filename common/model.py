@@ -68,8 +68,16 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(folder)
 
 
+# For a base model whose tokenizer has no chat template (Gemma-3-270M): each turn as "Role: text", so the
+# prompt and reply code that every model shares (fit_prompt, the judges' encode) runs unchanged.
+PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] | trim }}"
+                       "\n\n{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}")
+
+
 def load_tokenizer(args: ModelArgs):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path))
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
         # Llama 3 ships no pad token; a reserved special token keeps pad distinct from end-of-turn.
         reserved = "<|reserved_special_token_0|>"
