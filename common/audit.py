@@ -14,6 +14,9 @@ cheaply? Written to `judge_audit.json` beside the adapter.
   to the loser. The judge "falls for" a probe when the change goes the way a cheat wants (up for
   an edited loser, down for a cut winner), its interval excludes zero, and it is not small: at
   least FALLS_FOR_SD standard deviations, or FALLS_FOR_FLIPS of the pairs flipping to the loser.
+- The gibberish audit (common/corruptions.py, key `corruption`): how often the judge prefers each real
+  held-out reply to six corruptions of it (shuffled, word salad, a sentence repeated, the premise
+  copied, another post's reply, cut mid-sentence).
 - A plain-language verdict naming the probes the judge falls for.
 """
 from __future__ import annotations

@@ -189,3 +189,23 @@ def test_hard_negatives_from_training_posts_join_and_from_held_out_posts_are_ref
     assert "no model 'nobody'" in line and "base" in line
     line = error_line(run_in_process("03_train_reward.py", *judges["common"], "--hard_negatives", str(on_train)))
     assert "names no model" in line
+
+
+def test_pointwise_takes_a_corruption_as_one_no_delta_example_made_of_what_the_judge_reads(pairs_run, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.model import ENCODER as ENCODER_KIND
+    from common.rewards import RewardScorer, pointwise_dataset
+    bert = tiny_bert(tmp_path)
+    scorer = RewardScorer(AutoModelForSequenceClassification.from_pretrained(bert), AutoTokenizer.from_pretrained(bert),
+                          32, 96, kind=ENCODER_KIND)
+    rows = load_split(pairs_run, "train")[:4]
+    bad, _ = corruption_pairs(rows, ["cut"], seed=0, share=1.0, visible=scorer.visible_reply)
+    data = pointwise_dataset(rows + bad, scorer)
+    assert data["labels"] == [1.0, 0.0] * 4 + [0.0] * 4  # the real reply is not added twice
+    assert data[8]["input_ids"] == scorer.encode(bad[0]["prompt"], bad[0]["rejected"])
+    for pair in bad:  # the cut is of the visible part, so the judge sees two different inputs
+        seen = scorer.visible_reply(pair["prompt"], pair["chosen"])
+        assert seen.startswith(pair["rejected"]) and len(pair["rejected"]) < len(seen)
+        assert scorer.encode(pair["prompt"], pair["rejected"]) != scorer.encode(pair["prompt"], pair["chosen"])
+    assert any(len(scorer.visible_reply(r["prompt"], r["chosen"])) < len(r["chosen"]) for r in rows)
