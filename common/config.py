@@ -342,7 +342,7 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     corruptions: list[Literal["shuffle", "salad", "repeat", "premise_copy", "other_post", "cut"]] = arg(
         help="kinds of corrupted replies (common/corruptions.py) added to the training pairs, each as a loser to the "
              "real reply it was made from (pairwise) or a no-delta example (pointwise), so that the judge learns to "
-             "rank word salad, copies and cut replies below real ones; [] : none", factory=list)
+             "rank word salad, copies and cut replies below real ones (default: none)", factory=list)
     corruption_share: float = arg(
         0.25, "corruptions: pairs of each kind, as a share of the train pairs; each from a train pair drawn at "
         "random (seeded), with its winner or its loser as the real reply (up to 2: every reply of every pair)",
