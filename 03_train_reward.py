@@ -18,7 +18,9 @@ period (stage 01's `split_by: period`), the audit names test the later period an
 both baselines on each. `cross_fit_folds: k` with `cross_fit_fold: j` trains on all but fold j of
 train_split's posts (folds by a hash of the post id) and audits fold j too (`test_fold<j>`): the k
 runs are 05's --crossfit_judge_runs; `train_also` adds more splits' pairs. `early_stopping_patience` judges the audit split after every epoch and keeps
-the epoch of lowest loss there. The manifest's `base` is the
+the epoch of lowest loss there. `--corruptions` adds (real reply over its corruption) pairs and
+`--hard_negatives` an Eval run's replies as losers to the real winners of their posts; the audit's
+`corruption` key says how often the judge prefers real replies to corruptions (docs/results.md). The manifest's `base` is the
 pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` the judge's own backbone.
 """
 from __future__ import annotations
@@ -33,7 +35,9 @@ from common import fast
 from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig, load_run_config
+from common.corruptions import corruption_pairs
 from common.data import DataError, cross_fit, load_split, write_jsonl
+from common.hard_negatives import hard_negative_pairs, parse
 from common.judges import write_train_posts
 from common.metrics import preference_metrics
 from common.model import fingerprint
@@ -85,7 +89,8 @@ def build_trainer(config: RewardStageConfig, run, scorer, train_rows: list[dict]
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
-    run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run},
+    hard = {f"hard_negatives[{i}]": parse(spec, [])[0] for i, spec in enumerate(config.hard_negatives)}
+    run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run, **hard},
               base=fingerprint(config))  # the pipeline's base, which 04 and 05 compare
     if not get_task(run.task).PAIRWISE:
         raise RunError(f"{config.pairs_run} is a {run.task} pairs run: a judge trains on winner-vs-loser pairs, "
@@ -97,9 +102,18 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     # 2. Data: winner-vs-loser pairs of the split the judge trains on, and of train_also's (their posts
     #    recorded for 05's overlap check); the held-out audit split for the judge's report. Cross-fitting
     #    leaves one fold of train_split's posts out, judged by the audit as <train_split>_fold<k>.
+    #    --hard_negatives: a policy's replies (an Eval run's) lose to the real winners of their posts, which
+    #    must be posts the judge trains on (common/hard_negatives.py).
     train_rows, left_out = training_pairs(config)
     dev_rows = load_split(config.pairs_run, config.audit_split)[: config.max_eval_examples]
-    write_train_posts(run.dir, config.train_split, train_rows, train_also=config.train_also,
+    hard_rows, hard_counts = hard_negative_pairs(
+        config.hard_negatives, config.hard_negative_models, config.pairs_run, [config.train_split, *config.train_also],
+        {r["group_id"] for rows in left_out.values() for r in rows}, get_task(run.task).display) \
+        if config.hard_negatives else ([], {})
+    if hard_counts:
+        run.manifest["hard_negatives"] = hard_counts  # pairs per RUN:MODEL; each run's digest is under `inputs`
+        run.save_manifest()
+    write_train_posts(run.dir, config.train_split, train_rows + hard_rows, train_also=config.train_also,
                       cross_fit={"folds": config.cross_fit_folds, "fold": config.cross_fit_fold} if left_out else None)
     log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
              config.train_split, len(dev_rows), config.audit_split)
@@ -107,9 +121,15 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
     #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
     #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
+    #    --corruptions: each kind's (real reply over its corruption) pairs, made of what the judge reads of
+    #    each reply (common/corruptions.py).
     scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
     model, tokenizer = scorer.model, scorer.tokenizer
-    trainer, n_dropped = build_trainer(config, run, scorer, train_rows, dev_rows)
+    bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share,
+                                            scorer.visible_reply) if config.corruptions else ([], {})
+    log.info("plus %d corruption pairs %s and %d hard-negative pairs %s", len(bad_rows),
+             bad_counts.get("corruption_pairs", {}), len(hard_rows), hard_counts)
+    trainer, n_dropped = build_trainer(config, run, scorer, train_rows + hard_rows + bad_rows, dev_rows)
     if n_dropped:
         log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
 
@@ -131,7 +151,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     log.info("%s: %s", config.audit_split, dev)
     metrics.update(dev, metrics_split=config.audit_split, judge_objective=config.judge_objective,
                    train_split=config.train_split, train_also=config.train_also, n_train_pairs=len(train_rows),
-                   n_train_pairs_dropped_too_long=n_dropped)
+                   n_train_pairs_dropped_too_long=n_dropped, **bad_counts, hard_negative_pairs=hard_counts)
 
     # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
     #    A pairs run split by period holds the source's later posts in test: the audit names it.
@@ -145,10 +165,16 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     periods = {s: "period" if s.split("_fold")[0] in ("test", "dev_later") else "in-period"
                for s in [config.audit_split, *extra]} \
         if split_by == "period" else {}
+    #    The gibberish audit: real replies against their corruptions on dev_later and test, those the judge
+    #    did not train on (else the audit split).
+    trained = (config.train_split, *config.train_also)
+    gibberish = {s: extra.get(s) or load_split(config.pairs_run, s)[: config.max_eval_examples]
+                 for s in ("dev_later", "test") if s not in trained and (Path(config.pairs_run) / f"{s}.jsonl").is_file()}
+    gibberish = {s: rows for s, rows in gibberish.items() if rows} or {config.audit_split: dev_rows}
     metrics["split_by"] = split_by
     metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,
                                                config.seed, split=config.audit_split, periods=periods,
-                                               probes=get_task(run.task).PROBES)
+                                               probes=get_task(run.task).PROBES, corruption_splits=gibberish)
     run.finish(metrics)
 
 

@@ -14,6 +14,9 @@ cheaply? Written to `judge_audit.json` beside the adapter.
   to the loser. The judge "falls for" a probe when the change goes the way a cheat wants (up for
   an edited loser, down for a cut winner), its interval excludes zero, and it is not small: at
   least FALLS_FOR_SD standard deviations, or FALLS_FOR_FLIPS of the pairs flipping to the loser.
+- The gibberish audit (common/corruptions.py, key `corruption`): how often the judge prefers each real
+  held-out reply to six corruptions of it (shuffled, word salad, a sentence repeated, the premise
+  copied, another post's reply, cut mid-sentence).
 - A plain-language verdict naming the probes the judge falls for.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from common import corruptions
 from common.data import n_words, write_json
 from common.metrics import bootstrap_ci, preference_metrics, wins
 
@@ -201,10 +205,12 @@ def audit(score: Callable, train: list[dict], eval_pairs: list[dict], chosen: li
 
 def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict], chosen: list[float],
                       rejected: list[float], extra_splits: dict[str, list[dict]], seed: int = 0,
-                      split: str = "dev", periods: dict | None = None, probes=()) -> dict:
+                      split: str = "dev", periods: dict | None = None, probes=(),
+                      corruption_splits: dict[str, list[dict]] | None = None) -> dict:
     """Stage 03's step: score the extra held-out splits, audit on `dev` (the pairs of `split`), write
     judge_audit.json beside the adapter, log the verdict; returns the summary that goes into
-    metrics.json. It reads only scores, so a pairwise and a pointwise judge are audited alike."""
+    metrics.json. It reads only scores, so a pairwise and a pointwise judge are audited alike.
+    `corruption_splits`: the held-out pairs of the gibberish audit (key `corruption`, common/corruptions.py)."""
     if not dev or not train:
         write_json(Path(run_dir) / "judge_audit.json", {"skipped": f"no train or {split} pairs to audit on"})
         log.warning("judge audit skipped: no train or %s pairs", split)
@@ -216,12 +222,17 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
             extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
                            scorer.score(prompts, [r["rejected"] for r in rows]))
     result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed, periods, probes)
+    if corruption_splits:
+        result["corruption"] = corruptions.corruption_audit(scorer, corruption_splits, seed=seed)
+        result["verdict"]["text"] += " " + corruptions.verdict_line(result["corruption"])
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
     summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],
                "length_only_baseline_accuracy": result["baselines"]["length_only"].get(f"{split}_accuracy"),
                "bag_of_words_baseline_accuracy": result["baselines"]["bag_of_words"].get(f"{split}_accuracy"),
                "falls_for": result["verdict"]["falls_for"], "periods": result["periods"]}
+    if "corruption" in result:
+        summary["corruption"] = corruptions.summary(result["corruption"])
     for name, metrics in result["other_splits"].items():
         summary[f"{name}_accuracy"], summary[f"{name}_accuracy_ci95"] = metrics["accuracy"], metrics["accuracy_ci95"]
         summary[f"{name}_length_only_baseline_accuracy"] = result["baselines"]["length_only"].get(f"{name}_accuracy")

@@ -345,6 +345,22 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
                              "block mask on a GPU; common/fast/padding_free.py); pairwise 4-bit judges only")
     prompt_once_per_pair: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, "
                                      "computed once (common/fast/padding_free.py); same rewards and loss as two rows")
+    corruptions: list[Literal["shuffle", "salad", "repeat", "premise_copy", "other_post", "cut"]] = arg(
+        help="kinds of corrupted replies (common/corruptions.py) added to the training pairs, each as a loser to the "
+             "real reply it was made from (pairwise) or a no-delta example (pointwise), so that the judge learns to "
+             "rank word salad, copies and cut replies below real ones (default: none)", factory=list)
+    corruption_share: float = arg(
+        0.25, "corruptions: pairs of each kind, as a share of the train pairs; each from a train pair drawn at "
+        "random (seeded), with its winner or its loser as the real reply (up to 2: every reply of every pair)",
+        gt=0, le=2)
+    hard_negatives: list[str] = arg(
+        help="Eval runs (stage 05's replies.jsonl) whose replies become losers against the real winners of the same "
+             "posts, as RUN:MODEL (e.g. runs/Dec04_Eval_Run2:Dec04_GRPO_Run1) or RUN with hard_negative_models; a "
+             "reply to a post the judge does not train on (dev, dev_later, test) is refused "
+             "(common/hard_negatives.py)", factory=list)
+    hard_negative_models: list[str] = arg(
+        help="hard_negatives given as a bare RUN: the models (replies.jsonl's names) whose replies are taken",
+        factory=list)
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
@@ -369,6 +385,18 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         if self.cross_fit_folds and self.train_split == "train":
             raise ConfigError("cross_fit_folds: cross-fit the split stage 05 scores (train_split test, or dev), "
                               "not the policy's train split", "train_split")
+        if len(set(self.corruptions)) < len(self.corruptions):
+            raise ConfigError(f"field 'corruptions': give each kind once, got {self.corruptions}", "corruptions")
+        if self.corruption_share != 0.25 and not self.corruptions:
+            raise ConfigError("field 'corruption_share' is for corruptions: leave it out, or give --corruptions",
+                              "corruption_share")
+        bare = [s for s in self.hard_negatives if ":" not in s or Path(s).is_dir()]  # as hard_negatives.parse reads it
+        if bare and not self.hard_negative_models:
+            raise ConfigError(f"field 'hard_negatives': {bare[0]} names no model: give RUN:MODEL or "
+                              f"hard_negative_models", "hard_negatives")
+        if self.hard_negative_models and not bare:
+            raise ConfigError("field 'hard_negative_models' is for hard_negatives given as a bare RUN: leave it out",
+                              "hard_negative_models")
 
 
 @dataclass

@@ -60,8 +60,11 @@ def pointwise_dataset(rows: list[dict], scorer: "RewardScorer"):
     earned a delta) and the loser 0, encoded by the scorer that later judges. Stage 01 balanced each
     pair's lengths, so length cannot tell the labels apart here either."""
     from datasets import Dataset
+    # A corruption or a policy's reply (`negative`, stage 03's --corruptions and --hard_negatives) is one
+    # no-delta example: its real reply is a train pair's, already there.
     return Dataset.from_list([{"input_ids": scorer.encode(r["prompt"], r[key]), "labels": label}
-                              for r in rows for key, label in (("chosen", 1.0), ("rejected", 0.0))])
+                              for r in rows for key, label in (("chosen", 1.0), ("rejected", 0.0))
+                              if not (r.get("negative") and key == "chosen")])
 
 
 class PadRight:
@@ -156,24 +159,37 @@ class RewardScorer:
     def encode(self, prompt: list[dict], reply: str) -> list[int]:
         if self.kind == ENCODER:
             return self._encode_pair(prompt, reply)
-        key = json.dumps(prompt)
-        if key not in self._fitted:
-            self._fitted[key] = fit_prompt(self.tokenizer, prompt, self.max_prompt_tokens)
-        prompt = self._fitted[key]
+        prompt = self._fit_prompt(prompt)
         reply = fit_reply(self.tokenizer, prompt, reply, self.max_length)
         return token_ids(self.tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": reply}],
                                                             tokenize=True))
 
-    def _encode_pair(self, prompt: list[dict], reply: str) -> list[int]:
-        """Encoder input: the premise (user turns, cut to max_prompt_tokens) and the reply (cut at a
-        sentence end to what is left of max_length) as a text pair with the tokenizer's own markers."""
+    def visible_reply(self, prompt: list[dict], reply: str) -> str:
+        """The part of `reply` the judge reads after its token budget cut it (stage 03's corruptions are made
+        of it, so that a reply cut in half differs from the reply where the judge looks)."""
+        if self.kind == ENCODER:
+            return self._fit_pair(prompt, reply)[1]
+        return fit_reply(self.tokenizer, self._fit_prompt(prompt), reply, self.max_length)
+
+    def _fit_prompt(self, prompt: list[dict]) -> list[dict]:
+        key = json.dumps(prompt)
+        if key not in self._fitted:
+            self._fitted[key] = fit_prompt(self.tokenizer, prompt, self.max_prompt_tokens)
+        return self._fitted[key]
+
+    def _fit_pair(self, prompt: list[dict], reply: str) -> tuple[str, str]:
         tok = self.tokenizer
         premise = truncate_tokens(tok, "\n\n".join(m["content"] for m in prompt if m["role"] != "system"),
                                   self.max_prompt_tokens)
         n_premise = len(tok(premise, add_special_tokens=False)["input_ids"])
         budget = self.max_length - n_premise - tok.num_special_tokens_to_add(pair=True)
-        reply = truncate_tokens(tok, reply, budget, sentence_boundary=True)
-        return list(tok(premise, reply, truncation="only_second", max_length=self.max_length)["input_ids"])
+        return premise, truncate_tokens(tok, reply, budget, sentence_boundary=True)
+
+    def _encode_pair(self, prompt: list[dict], reply: str) -> list[int]:
+        """Encoder input: the premise (user turns, cut to max_prompt_tokens) and the reply (cut at a
+        sentence end to what is left of max_length) as a text pair with the tokenizer's own markers."""
+        premise, reply = self._fit_pair(prompt, reply)
+        return list(self.tokenizer(premise, reply, truncation="only_second", max_length=self.max_length)["input_ids"])
 
     @torch.no_grad()
     def score(self, prompts: list[list[dict]], replies: list[str]) -> list[float]:
