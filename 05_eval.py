@@ -17,7 +17,10 @@ with the real ones (BLEU-4, ROUGE-1/2/L; against every real review of a paper). 
 `--judge_runs`, more judges score the same replies, each reported under its run name (eval.json
 `judges` and each model's `by_judge`, a table in report.md); a judge that trained on any scored
 premise is refused, and the report says when a model gains under its training judge (--reward_run)
-but not under a held-out one (common/judges.py). The task
+but not under a held-out one (common/judges.py). With `fluency_model_name_or_path`, every reply's
+mean token log-probability under that frozen LM gives each model's perplexity (and its ratio to
+SFT's); a model's gain holds only under held-out judges of two families and that fluency gate
+(eval.json `verdict`, report.md's first lines; common/verdict.py). The task
 adds its own metrics (review: the rating parsed from each review against the reviewers' mean, with
 a constant and a human baseline). Writes eval.json, replies.jsonl, histograms (PNG, also to W&B)
 and a readable report.md.
