@@ -48,7 +48,7 @@ from transformers import set_seed
 from common import eval_inputs, fast
 from common.best_of_n import fluency_gate, keep_best
 from common.cli import cli
-from common.config import EvalConfig, load_run_config
+from common.config import ConfigError, EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import decoder_backends, generate_replies
 from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge
@@ -57,7 +57,7 @@ from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer, res
 from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.runs import Run
-from common.scorers import load_scorer
+from common.scorers import ScorerError, load_scorer
 from common.tasks import get_task
 from common.verdict import decide, family_lines, fluency_figures, fluency_model_line, model_family, verdict_lines
 from common.watch import reply_shape
@@ -167,9 +167,12 @@ def main(config: EvalConfig, overrides: dict) -> None:
         del fluency
     if candidates:  # the scorer's favourite among the candidates that pass the fluency gate (common/best_of_n.py)
         source = run.manifest["best_of_n"]["from"]
-        judge = load_scorer(config.best_of_n_scorer, batch_size=config.batch_size, packed=config.fast_paths) \
-            if config.best_of_n_scorer else load_judge(config.reward_run, batch_size=config.batch_size,
-                                                       packed=config.fast_paths)
+        try:
+            judge = load_scorer(config.best_of_n_scorer, batch_size=config.batch_size, packed=config.fast_paths) \
+                if config.best_of_n_scorer else load_judge(config.reward_run, batch_size=config.batch_size,
+                                                           packed=config.fast_paths)
+        except ScorerError as err:
+            raise ConfigError(f"field 'best_of_n_scorer': {err}", "best_of_n_scorer") from None
         if candidate_lps and source in log_probs:
             passed = fluency_gate(candidate_lps, log_probs[source], config.best_of_n_fluency_margin)
         run.manifest["best_of_n"].update(

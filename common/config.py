@@ -298,6 +298,9 @@ class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArg
     STAGE: ClassVar[str] = "SFT"
 
     max_eval_examples: int = arg(64, "dev examples for the held-out loss", ge=0)
+    targets_from: str | None = arg(
+        None, "RAFT: an Eval run of best-of-n replies to this pairs run's train split (05 --split train --best_of_n "
+        "N): train on its picks, one a post, in place of the winners (common/raft.py)")
 
 
 @dataclass
