@@ -150,7 +150,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
             candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
         del model
 
-    # 4. Score: best-of-n's pick by the training judge; overlap with the real replies; what the replies
+    # 4. Score: best-of-n's pick (best_of_n_scorer's, the training judge by default); overlap with the real replies; what the replies
     #    look like (loops, copying from the premise, variety); each judge: reward, win rates against the
     #    base and SFT (plain and length-controlled); the task's own metrics (review: ratings, baselines).
     #    Fluency first (common/verdict.py): each reply's mean token log-probability under a frozen LM of
