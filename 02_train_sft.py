@@ -23,6 +23,7 @@ from common.cli import cli
 from common.config import SFTStageConfig
 from common.data import train_and_dev
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.raft import best_of_n_targets
 from common.runs import Run
 from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
@@ -53,11 +54,15 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished. The manifest records which base
     #    this adapter belongs to (the base lock of every later stage).
     set_seed(config.seed)
-    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run}, base=fingerprint(config))
+    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run,
+                                                **({"targets_from": config.targets_from} if config.targets_from else {})},
+              base=fingerprint(config))
     run.start_tracking()
 
     # 2. Data: the winners of the train split (dev for a held-out loss).
     train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
+    if config.targets_from:  # RAFT: the best-of-n picks of an eval run of the train split instead (common/raft.py)
+        train_rows, run.manifest["targets_from"] = best_of_n_targets(config.targets_from, train_rows)
     log.info("SFT on %d train rows, dev loss on %d", len(train_rows), len(dev_rows))
 
     # 3. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.

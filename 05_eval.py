@@ -17,7 +17,10 @@ with the real ones (BLEU-4, ROUGE-1/2/L; against every real review of a paper). 
 `--judge_runs`, more judges score the same replies, each reported under its run name (eval.json
 `judges` and each model's `by_judge`, a table in report.md); a judge that trained on any scored
 premise is refused, and the report says when a model gains under its training judge (--reward_run)
-but not under a held-out one (common/judges.py). The task
+but not under a held-out one (common/judges.py). With `fluency_model_name_or_path`, every reply's
+mean token log-probability under that frozen LM gives each model's perplexity (and its ratio to
+SFT's); a model's gain holds only under held-out judges of two families and that fluency gate
+(eval.json `verdict`, report.md's first lines; common/verdict.py). The task
 adds its own metrics (review: the rating parsed from each review against the reviewers' mean, with
 a constant and a human baseline). Writes eval.json, replies.jsonl, histograms (PNG, also to W&B)
 and a readable report.md.
@@ -36,24 +39,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from pathlib import Path
 
 from transformers import set_seed
 
 from common import eval_inputs, fast
-from common.best_of_n import keep_best
+from common.best_of_n import fluency_gate, keep_best
 from common.cli import cli
-from common.config import EvalConfig, load_run_config
+from common.config import ConfigError, EvalConfig, load_run_config
 from common.data import DataError, fit_prompt, load_split, n_words, one_per_group, read_json, write_json, write_jsonl
 from common.generation import decoder_backends, generate_replies
-from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge, verdict_lines
+from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge
 from common.metrics import judge_metrics, text_metrics
-from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer, resolve_model_path
 from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.runs import Run
+from common.scorers import ScorerError, load_scorer
 from common.tasks import get_task
+from common.verdict import decide, family_lines, fluency_figures, fluency_model_line, model_family, verdict_lines
 from common.watch import reply_shape
 
 log = logging.getLogger("pipeline")
@@ -144,19 +150,48 @@ def main(config: EvalConfig, overrides: dict) -> None:
             candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
         del model
 
-    # 4. Score: best-of-n's pick by the training judge; overlap with the real replies; what the replies
+    # 4. Score: best-of-n's pick (best_of_n_scorer's, the training judge by default); overlap with the real replies; what the replies
     #    look like (loops, copying from the premise, variety); each judge: reward, win rates against the
     #    base and SFT (plain and length-controlled); the task's own metrics (review: ratings, baselines).
-    candidate_scores = None
-    if candidates:
-        judge = load_judge(config.reward_run, batch_size=config.batch_size, packed=config.fast_paths)
-        replies["best_of_n"], candidate_scores = keep_best(prompts, candidates, judge.score)
+    #    Fluency first (common/verdict.py): each reply's mean token log-probability under a frozen LM of
+    #    another family, and best-of-n's candidates', so that its pick can be gated on it.
+    candidate_scores = log_probs = candidate_lps = passed = None
+    if config.fluency_model_name_or_path:
+        fluency = load_scorer(f"fluency:{resolve_model_path(config.fluency_model_name_or_path)}",
+                              batch_size=config.batch_size)
+        run.manifest["fluency"] = {**fluency.backends, "policy_family": model_family(config.model_name_or_path)}
+        log_probs = {name: fluency.score(prompts, texts) for name, texts in replies.items()}
+        if candidates:
+            flat = fluency.score([p for p, c in zip(prompts, candidates) for _ in c], [t for c in candidates for t in c])
+            candidate_lps = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
+        del fluency
+    if candidates:  # the scorer's favourite among the candidates that pass the fluency gate (common/best_of_n.py)
+        source = run.manifest["best_of_n"]["from"]
+        try:
+            judge = load_scorer(config.best_of_n_scorer, batch_size=config.batch_size, packed=config.fast_paths) \
+                if config.best_of_n_scorer else load_judge(config.reward_run, batch_size=config.batch_size,
+                                                           packed=config.fast_paths)
+        except ScorerError as err:
+            raise ConfigError(f"field 'best_of_n_scorer': {err}", "best_of_n_scorer") from None
+        if candidate_lps and source in log_probs:
+            passed = fluency_gate(candidate_lps, log_probs[source], config.best_of_n_fluency_margin)
+        run.manifest["best_of_n"].update(
+            scorer=config.best_of_n_scorer or f"run:{config.reward_run}",
+            fluency_gate=f"mean log-prob >= {source}'s greedy reply's - {config.best_of_n_fluency_margin:g}"
+            if passed else "none (no fluency model, or no greedy reply of its source)",
+            passed_share=sum(map(sum, passed)) / sum(map(len, passed)) if passed else None)
+        replies["best_of_n"], candidate_scores = keep_best(prompts, candidates, judge.score, passed, candidate_lps)
         del judge
+        if log_probs is not None:
+            log_probs["best_of_n"] = [lps[c.index(best)] for lps, c, best in
+                                      zip(candidate_lps, candidates, replies["best_of_n"])]
     words = {name: [n_words(t) for t in texts] for name, texts in replies.items()}
     shown = [task.display(p) for p in premises]
     results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
                       "reply_words_mean": sum(words[name]) / max(1, len(texts)), **reply_shape(shown, texts)}
                for name, texts in replies.items()}
+    for name, figures in (fluency_figures(log_probs) if log_probs else {}).items():
+        results[name].update(figures)
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in {**judge_runs, **({crossfit.name: crossfit} if crossfit else {})}.items():  # one at a time
@@ -190,6 +225,9 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 5. Write eval.json, every reply with its scores, the plots and the report; mark done. A CUDA graph
     #    that could not be captured fell back to eager decoding steps (slower, the same tokens): recorded.
     run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)
+    #    The verdict: a gain holds under held-out judges of two families and the fluency gate (common/verdict.py).
+    for name, decided in (decide(results, judges, config, log_probs is not None) if judges else {}).items():
+        results[name]["verdict"] = decided
     judge_info = {"judges": judges} if judges else {}
     write_json(run.dir / "eval.json", {**results, **task_report["baselines"], **judge_info})
     write_jsonl(run.dir / "replies.jsonl", [
@@ -197,7 +235,10 @@ def main(config: EvalConfig, overrides: dict) -> None:
          **{name: {"reply": replies[name][i], **({"reward": rewards[name][i]} if rewards else {}),
                    **({"by_judge": {j: every_judge[j][name][i] for j in every_judge}} if every_judge else {}),
                    **task_report["per_reply"].get(name, [{}] * len(premises))[i],
-                   **({"candidates": candidates[i], "candidate_scores": candidate_scores[i]}
+                   **({"fluency_log_prob": _finite(log_probs[name][i])} if log_probs else {}),
+                   **({"candidates": candidates[i], "candidate_scores": candidate_scores[i],
+                       **({"candidate_log_probs": list(map(_finite, candidate_lps[i]))} if candidate_lps else {}),
+                       **({"candidate_passed": passed[i]} if passed else {})}
                       if name == "best_of_n" and candidates else {})} for name in replies}}
         for i, p in enumerate(premises)])
     grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
@@ -205,10 +246,15 @@ def main(config: EvalConfig, overrides: dict) -> None:
     plots = {**plot_distributions(run.dir, replies, rewards, task.NOUNS["premises"]), **plot_watch(run.dir, grpo),
              **task_report["plots"](run.dir)}
     log_plots_to_wandb(plots)
-    sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
+    sections = task_report["sections"] + (judges_section(results, judges, family_lines(judges) +
+                                                         gain_lines(results, judges))
                                           if config.judge_runs or crossfit else [])
     sections = eval_inputs.report_lines(run.manifest, task.NOUNS) + sections  # what was scored, when not the split
-    headline = verdict_lines(results, judges)  # the report and the summary open with it
+    headline = verdict_lines(results, judges, {n: r["verdict"] for n, r in results.items() if "verdict" in r}) + \
+        family_lines(judges) + (fluency_model_line(run.manifest.get("fluency", {}).get("fluency_family"),
+                                                   model_family(config.model_name_or_path),
+                                                   config.fluency_model_name_or_path)
+                                if judges or log_probs else [])  # the report opens with it
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,
                           reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})" +
@@ -218,6 +264,11 @@ def main(config: EvalConfig, overrides: dict) -> None:
     run.finish({"verdict": headline, "models": results, **task_report["baselines"], **judge_info,
                 "n_premises": len(premises), "report": str(report)})
     print(f"report: {report.resolve()}")
+
+
+def _finite(value: float) -> float | None:
+    """A reply too short to score has a nan log-probability: null in replies.jsonl, as JSON has no NaN."""
+    return None if math.isnan(value) else value
 
 
 def describe_decoding(config: EvalConfig) -> str:

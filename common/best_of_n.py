@@ -1,11 +1,30 @@
 """Best-of-n: the baseline that practice against a judge must beat. Each premise gets n sampled
-replies from a frozen model, and the training judge keeps its favourite; nothing is trained, so any
-gain of a trained policy over best-of-n is what training added beyond picking."""
+replies from a frozen model, and a scorer (the training judge unless `best_of_n_scorer` names
+another) keeps its favourite; nothing is trained, so any gain of a trained policy over best-of-n is
+what training added beyond picking.
+
+A judge can prefer salad to prose, and picking its favourite of n would pick the salad. With a
+fluency model, a candidate is eligible only when its mean token log-probability is at least the
+source model's greedy reply's to that premise minus `best_of_n_fluency_margin` (nats a token): as
+fluent as the model's own best guess, give or take. Where no candidate passes, the most fluent one
+is kept (no premise goes without a reply), and replies.jsonl says which passed."""
 from __future__ import annotations
 
+import math
 
-def keep_best(prompts: list, candidates: list[list[str]], score) -> tuple[list[str], list[list[float]]]:
-    """For each prompt, the candidate `score(prompts, texts)` rates highest (the first on a tie), and
+
+def fluency_gate(candidate_log_probs: list[list[float]], greedy_log_probs: list[float],
+                 margin: float) -> list[list[bool]]:
+    """Per premise, per candidate: does it pass (log-prob >= the greedy reply's - margin)? A greedy
+    reply too short to score (nan) sets no bar; a candidate too short to score never passes."""
+    return [[not math.isnan(lp) and (math.isnan(bar) or lp >= bar - margin) for lp in lps]
+            for lps, bar in zip(candidate_log_probs, greedy_log_probs)]
+
+
+def keep_best(prompts: list, candidates: list[list[str]], score, passed: list[list[bool]] | None = None,
+              log_probs: list[list[float]] | None = None) -> tuple[list[str], list[list[float]]]:
+    """For each prompt, the candidate `score(prompts, texts)` rates highest (the first on a tie) among
+    those that `passed` the gate (all without one; the most fluent by `log_probs` where none did), and
     every candidate's score."""
     flat_prompts = [p for p, texts in zip(prompts, candidates) for _ in texts]
     flat = score(flat_prompts, [t for texts in candidates for t in texts])
@@ -13,5 +32,12 @@ def keep_best(prompts: list, candidates: list[list[str]], score) -> tuple[list[s
     for texts in candidates:
         scores.append(flat[start:start + len(texts)])
         start += len(texts)
-    best = [texts[max(range(len(texts)), key=s.__getitem__)] for texts, s in zip(candidates, scores)]
+    best = []
+    for i, (texts, s) in enumerate(zip(candidates, scores)):
+        ok = [j for j in range(len(texts)) if passed is None or passed[i][j]]
+        if ok:
+            best.append(texts[max(ok, key=s.__getitem__)])
+        else:
+            lps = [-math.inf if math.isnan(v) else v for v in log_probs[i]]
+            best.append(texts[max(range(len(texts)), key=lps.__getitem__)])
     return best, scores

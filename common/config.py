@@ -304,6 +304,9 @@ class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArg
     STAGE: ClassVar[str] = "SFT"
 
     max_eval_examples: int = arg(64, "dev examples for the held-out loss", ge=0)
+    targets_from: str | None = arg(
+        None, "RAFT: an Eval run of best-of-n replies to this pairs run's train split (05 --split train --best_of_n "
+        "N): train on its picks, one a post, in place of the winners (common/raft.py)")
 
 
 @dataclass
@@ -522,6 +525,23 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         "--sft_run) at best_of_n_temperature, the training judge's best kept; no training: the baseline practice "
         "must beat. 0: off", ge=0)
     best_of_n_temperature: float = arg(0.7, "best_of_n: the sampling temperature of its candidates", gt=0)
+    best_of_n_scorer: str | None = arg(
+        None, "best_of_n: the scorer that picks among the candidates, a load_scorer spec (run:PATH, KIND:ARG, "
+        "pkg.mod:fn; common/scorers.py); default the training judge (--reward_run)")
+    best_of_n_fluency_margin: float = arg(
+        0.5, "best_of_n with a fluency model: a candidate may be picked only when its mean token log-probability is "
+        "at least the source model's greedy reply's minus this (nats a token; common/best_of_n.py)", ge=0)
+    fluency_model_name_or_path: str | None = arg(
+        None, "a frozen causal LM (folder, hub name or pkg:MODULE/SUBDIR), ideally of another family than the policy: "
+        "each reply's mean token log-probability and perplexity under it, the verdict's fluency gate and best_of_n's "
+        "(common/verdict.py). Unset: no fluency figures, and no gain holds")
+    fluency_max_perplexity_ratio: float = arg(
+        1.25, "the verdict's fluency gate: a model's perplexity at most this times its reference's (SFT's; for SFT "
+        "the base's)", gt=0)
+    fluency_max_distinct2_gap: float = arg(
+        0.08, "the verdict's fluency gate: distinct-2 within this of the reference's, either way", ge=0)
+    fluency_max_looped_rise: float = arg(
+        0.02, "the verdict's fluency gate: the looped share at most this above the reference's", ge=0)
 
     eval_data: list[str] = arg(
         help="files of the task's source rows (as 01's --data) scored in place of the pairs run's test split, read "
@@ -548,8 +568,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
                               "sft_run or policy_runs", "replies_from")
         if self.best_of_n == 1:
             raise ConfigError("field 'best_of_n' must be 0 (off) or at least 2: one sample has no best", "best_of_n")
-        if self.best_of_n and not self.reward_run:
-            raise ConfigError("best_of_n keeps the training judge's best reply: it needs --reward_run", "best_of_n")
+        if self.best_of_n and not (self.reward_run or self.best_of_n_scorer):
+            raise ConfigError("best_of_n keeps the training judge's best reply: it needs --reward_run (or "
+                              "best_of_n_scorer)", "best_of_n")
+        check_model_path("fluency_model_name_or_path", self.fluency_model_name_or_path)
         if self.split == "dev_later":
             raise ConfigError("field 'split': dev_later is where judges and recipes are chosen, so stage 05 never "
                               "scores it: use dev to choose, test to report", "split")

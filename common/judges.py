@@ -19,6 +19,7 @@ from pathlib import Path
 from common.config import RewardStageConfig, load_run_config, to_dict
 from common.data import fold_of, load_split, premise_digest, read_json, write_json
 from common.runs import RunError
+from common.verdict import families_of, model_family
 
 TRAIN_POSTS = "train_posts.json"
 
@@ -58,6 +59,7 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
         info = {"path": str(Path(path).resolve()), "objective": config.judge_objective,
                 "backbone": config.judge_backbone,
                 "model": config.judge_model_name_or_path or config.model_name_or_path,
+                "family": model_family(config.judge_model_name_or_path or config.model_name_or_path),
                 "train_split": config.train_split, "period": _period(config)}
         posts, premises = train_posts(path)
         overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or premise_digest(p) in premises})
@@ -143,6 +145,7 @@ class CrossFitScorer:
         self.info = {
             "path": [str(Path(p).resolve()) for p in by_fold], "objective": first.judge_objective,
             "backbone": first.judge_backbone, "model": first.judge_model_name_or_path or first.model_name_or_path,
+            "family": families_of(c.judge_model_name_or_path or c.model_name_or_path for c in configs),
             "train_split": first.train_split, "train_also": first.train_also, "period": _period(first),
             "role": "other" if shared else "held_out", "n_train_posts": len(posts), "posts_shared_with_policy": shared,
             "posts_shared_with_scored_premises": 0, "cross_fit": {"folds": k, "premises_scored": counts},
@@ -240,25 +243,3 @@ def gain_lines(results: dict, judges: dict) -> list[str]:
 def _ci(r: dict, key: str) -> str:
     low, high = r[f"{key}_ci95"]
     return f"{r[key]:.2f} [{low:.2f}, {high:.2f}]"
-
-
-def verdict_lines(results: dict, judges: dict) -> list[str]:
-    """One line per model but the base: its win rate over the base, and over SFT, under each held-out
-    judge, with "holds" only where the interval lies above 0.5. Without a held-out judge, one line
-    says so: a gain under the training judge alone is no verdict."""
-    held_out = [n for n, j in judges.items() if j["role"] == "held_out"]
-    if not held_out:
-        return ["No held-out judge scored these replies: a gain under the training judge alone may be its "
-                "blind spots."] if judges else []
-    lines = []
-    for model, r in results.items():
-        if model == "base":
-            continue
-        parts = []
-        for name in held_out:
-            scored = r["by_judge"][name]
-            said = [f"vs {other} {_ci(scored, key)} ({'holds' if scored[key + '_ci95'][0] > 0.5 else 'does not hold'})"
-                    for other, key in (("base", "win_rate_vs_base"), ("SFT", "win_rate_vs_sft")) if key in scored]
-            parts.append(f"under {name}: " + ", ".join(said))
-        lines.append(f"**{model}**: " + "; ".join(parts) + ".")
-    return lines

@@ -128,7 +128,8 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
            "The same replies scored by every judge. A policy trained against one judge can learn that judge's blind "
            "spots; a judge it never trained against, on posts it never saw, checks that the gain is real."]
     for name, judge in judges.items():
-        out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}), trained on the "
+        out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}, family "
+                f"{judge.get('family', 'unknown')}), trained on the "
                 f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}." +
                 (f" {judge['description']}" if judge.get("description") else ""), "",
                 "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] | win rate vs SFT | "
@@ -154,7 +155,8 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
     names = list(results)
     lines = [f"# Evaluation {run_name}", ""]
     if headline:
-        lines += ["## Verdict (held-out judges; a gain holds where its 95% interval lies above 0.5)", "",
+        lines += ["## Verdict (a gain holds where held-out judges of two families put its 95% interval above 0.5 "
+                  "and the replies pass the fluency gate)", "",
                   *[f"- {line}" for line in headline], ""]
     lines += [f"{len(premises)} held-out {nouns['premises']}; {decoding} replies to {reading}; BLEU-4 and ROUGE "
              f"against the {nouns['references']} (every {nouns['reference']} of a {nouns['premise']} is a reference)."]
@@ -164,18 +166,22 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
                   "same preference with the length effect regressed out (logistic fit of the win on the length "
                   "difference, read at equal length, as AlpacaEval's length-controlled win rate)."]
     judge_head = " reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |" if rewards else ""
+    fluent = any("perplexity" in r for r in results.values())  # with a fluency model (common/verdict.py)
+    fluency_head = " perplexity | perplexity vs SFT |" if fluent else ""
     lines += ["*Looped*: a sentence or line of 5+ words said 3 or more times; *copied*: the share of a reply's "
               f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies."]
     lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | looped | copied | "
-              "distinct-2 |",
-              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- |"]
+              f"distinct-2 |{fluency_head}",
+              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- |" +
+              (" --- | --- |" if fluent else "")]
     for name in names:
         r = results[name]
         judge = (f" {_fmt(r.get('reward_mean'))} | {_with_ci(r, 'win_rate_vs_base')} | "
                  f"{_with_ci(r, 'lc_win_rate_vs_base')} |") if rewards else ""
         lines.append(f"| {name} |{judge} {r['bleu4']:.2f} | {r['rouge1']:.3f} | {r['rouge2']:.3f} | "
                      f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {_fmt(r.get('looped_share'))} | "
-                     f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} |")
+                     f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} |" +
+                     (f" {_fmt(r.get('perplexity'), 1)} | {_fmt(r.get('perplexity_vs_sft'), 2)} |" if fluent else ""))
     lines += sections or []
     if judge_verdict:
         lines += ["", "## The judge", "", f"From the reward run's judge_audit.json: {judge_verdict}"]

@@ -99,6 +99,7 @@ def test_eval_scores_every_premise_with_the_judge_that_never_saw_its_post(cross_
     assert list(judges) == [name] and judges[name]["role"] == "held_out"
     assert judges[name]["posts_shared_with_policy"] == 0 and judges[name]["train_split"] == "test"
     assert sum(judges[name]["cross_fit"]["premises_scored"].values()) == 6
+    assert judges[name]["family"] == "bert"  # its fold judges' backbone: a tiny BERT (common/verdict.py)
     assert set(results["base"]["by_judge"]) == {name} and results["base"]["by_judge"][name]["win_rate_vs_base"] == 0.5
     report = (run / "report.md").read_text()
     assert f"**{name}**: pairwise encoder judge" in report and "Cross-fitted: 2 judges" in report

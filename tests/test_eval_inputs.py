@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import shutil
 
 import pytest
@@ -110,3 +111,29 @@ def test_a_judge_trained_on_a_scored_premise_is_refused_on_other_files_and_on_re
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith(f"error: --judge_runs {judge}: judge {judge.name} trained on ") and \
             "premises it would score" in line, line
+
+
+def test_replies_read_back_get_fluency_figures_and_a_verdict(cmv, tiny_model):
+    """The fluency check on replies read back (common/verdict.py): each model's mean log-probability and
+    perplexity under a frozen LM, the ratio to SFT's, and the verdict that needs both checks."""
+    run = run_dir_of(run_stage("05_eval.py", "--config", EVAL, "--replies_from", cmv["eval"], "--reward_run",
+                               cmv["reward"], "--judge_runs", cmv["new_judge"], "--fluency_model_name_or_path",
+                               tiny_model, "--runs_dir", cmv["runs"]))
+    results, replies = json.loads((run / "eval.json").read_text()), _lines(run / "replies.jsonl")
+    for model in ("base", "sft"):
+        kept = [r[model]["fluency_log_prob"] for r in replies if r[model]["fluency_log_prob"] is not None]
+        assert kept and results[model]["mean_log_prob"] == pytest.approx(sum(kept) / len(kept))
+        assert results[model]["perplexity"] == pytest.approx(math.exp(-sum(kept) / len(kept)))
+    assert results["sft"]["perplexity_vs_sft"] == 1.0
+    assert results["base"]["perplexity_vs_sft"] == pytest.approx(results["base"]["perplexity"] /
+                                                                 results["sft"]["perplexity"])
+    # every judge here is a tiny llama, and so is the fluency model: nothing can hold, and the report says why
+    assert {j["family"] for j in results["judges"].values()} == {"llama"}
+    verdict = results["sft"]["verdict"]
+    assert verdict["reference"] == "base" and not verdict["holds"] and verdict["reasons"]
+    assert "verdict" not in results["base"]
+    report = (run / "report.md").read_text()
+    assert "| perplexity | perplexity vs SFT |" in report and "**sft** vs base: rejected: " in report
+    assert "The fluency model is of the policy's family (llama)" in report
+    assert "Every held-out judge is of the training judge's family (llama)" in report
+    assert json.loads((run / "manifest.json").read_text())["fluency"]["fluency_family"] == "llama"

@@ -6,7 +6,8 @@ from common.judges import gain_lines
 from common.report import judges_section
 
 JUDGES = {"R1": {"role": "training", "objective": "pairwise", "backbone": "lora_4bit", "model": "m", "train_split": "train"},
-          "R2": {"role": "held_out", "objective": "pointwise", "backbone": "encoder", "model": "e", "train_split": "dev"},
+          "R2": {"role": "held_out", "objective": "pointwise", "backbone": "encoder", "model": "e", "train_split": "dev",
+                 "family": "bert"},
           "R3": {"role": "other", "objective": "pairwise", "backbone": "encoder", "model": "e", "train_split": "train"}}
 
 
@@ -39,6 +40,6 @@ def test_a_gain_that_holds_is_said_so_and_no_gain_says_nothing():
 def test_the_report_has_a_table_per_judge_and_the_lines():
     results = _results((0.8, 0.7, 0.9), (0.52, 0.4, 0.64))
     text = "\n".join(judges_section(results, JUDGES, gain_lines(results, JUDGES)))
-    assert "**R2**: pointwise encoder judge (e), trained on the dev split; held out" in text
+    assert "**R2**: pointwise encoder judge (e, family bert), trained on the dev split; held out" in text
     assert "| grpo | 0.100 | 0.80 [0.70, 0.90] | 0.80 [0.70, 0.90] |" in text
     assert text.count("| model | reward (mean) |") == 3 and "but not under the held-out judge R2" in text

@@ -116,12 +116,19 @@ def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
     manifest = json.loads((from_base["eval"] / "manifest.json").read_text())
     assert manifest["decoding"]["temperature"] == 0.7 and manifest["decoding"]["no_repeat_ngram_size"] == 3
     assert manifest["decoding"]["repetition_penalty"] == 1.0 and manifest["decoding"]["seed"] == 42
-    assert manifest["best_of_n"] == {"n": 3, "from": "sft", "temperature": 1.0}
+    assert manifest["best_of_n"] == {"n": 3, "from": "sft", "temperature": 1.0, "scorer": f"run:{from_base['reward']}",
+                                     "fluency_gate": "none (no fluency model, or no greedy reply of its source)",
+                                     "passed_share": None}
     metrics = json.loads((from_base["eval"] / "metrics.json").read_text())
+    results = json.loads((from_base["eval"] / "eval.json").read_text())
     held_out = from_base["held_out"].name
-    assert len(metrics["verdict"]) == 4  # sft, grpo_from_base, dpo_from_base, best_of_n
-    for line in metrics["verdict"]:
-        assert f"under {held_out}: vs base" in line and ("(holds)" in line or "(does not hold)" in line)
+    for model in ("sft", "grpo_from_base", "dpo_from_base", "best_of_n"):
+        (line,) = [line for line in metrics["verdict"] if line.startswith(f"**{model}** vs ")]
+        assert f"Held-out judges: {held_out} (" in line and "vs base" in line and "rejected: " in line
+        # no fluency model: no gain holds, whatever the judges say (common/verdict.py)
+        verdict = results[model]["verdict"]
+        assert not verdict["holds"] and "fluency not checked (no fluency_model_name_or_path)" in verdict["reasons"]
+    assert any(line.startswith("Fluency was not checked") for line in metrics["verdict"])
     report = (from_base["eval"] / "report.md").read_text()
     head = report.split("## Verdict", 1)
     assert len(head) == 2 and "| model |" not in head[0]  # the verdict comes before any table

@@ -1,0 +1,37 @@
+"""RAFT (common/raft.py): stage 05 picks the best of n sampled replies to the train premises, gated on
+fluency, and stage 02 trains on the picks, through the real command lines on the tiny recipe."""
+from __future__ import annotations
+
+import json
+
+from conftest import error_line, run_dir_of, run_stage
+
+
+def test_sft_trains_on_the_gated_best_of_n_picks_of_the_train_premises(pairs_run, tiny_model, tmp_path):
+    common = ["--runs_dir", tmp_path]
+    picks = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
+                                 "--split", "train", "--best_of_n", "3", "--best_of_n_scorer",
+                                 "tests.test_scorers:words", "--fluency_model_name_or_path", tiny_model,
+                                 "--best_of_n_fluency_margin", "0.3", *common))
+    replies = [json.loads(line) for line in (picks / "replies.jsonl").read_text().splitlines()]
+    for row in replies:
+        best = row["best_of_n"]
+        ok = [c for c, passed in zip(best["candidates"], best["candidate_passed"]) if passed]
+        # the wordiest candidate that passed the gate (the first on a tie); where none did, the most fluent one
+        lps = best["candidate_log_probs"]
+        assert best["reply"] == (max(ok, key=lambda c: len(c.split())) if ok else
+                                 best["candidates"][lps.index(max(lps))])
+        bar = row["base"]["fluency_log_prob"] - 0.3
+        assert best["candidate_passed"] == [lp >= bar for lp in lps]
+    manifest = json.loads((picks / "manifest.json").read_text())
+    assert manifest["best_of_n"]["scorer"] == "tests.test_scorers:words" and "0.3" in manifest["best_of_n"]["fluency_gate"]
+
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run",
+                               pairs_run, "--targets_from", picks, *common))
+    recorded = json.loads((sft / "manifest.json").read_text())
+    assert "targets_from" in recorded["inputs"] and recorded["targets_from"]["n_posts"] == len(replies)
+    assert json.loads((sft / "metrics.json").read_text())["n_train_examples"] == len(replies)
+    # a run that is not an Eval run is no source of training targets: one error line
+    proc = run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", pairs_run,
+                     "--targets_from", sft, *common, check=False)
+    assert "targets_from" in error_line(proc)
