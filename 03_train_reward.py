@@ -34,6 +34,8 @@ from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig, load_run_config
 from common.data import DataError, cross_fit, load_split, write_jsonl
+from common.ensemble import EnsembleScorer
+from common.feature_judge import FeatureScorer
 from common.judges import write_train_posts
 from common.metrics import preference_metrics
 from common.model import fingerprint
@@ -104,22 +106,28 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
              config.train_split, len(dev_rows), config.audit_split)
 
-    # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
-    #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
-    #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
-    scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
-    model, tokenizer = scorer.model, scorer.tokenizer
-    trainer, n_dropped = build_trainer(config, run, scorer, train_rows, dev_rows)
-    if n_dropped:
-        log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
+    # 3'. No neural model: the feature judge is a logistic regression fitted here (feature_judge.json);
+    #     an ensemble loads its judge runs and measures each one's scale on the train replies
+    #     (ensemble.json, train_posts.json: its members' posts). Both are judged and audited below.
+    if config.judge_backbone in ("features", "ensemble"):
+        scorer, metrics, n_dropped = fit_without_training(config, run, train_rows), {}, 0
+    else:
+        # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
+        #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
+        #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
+        scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
+        model, tokenizer = scorer.model, scorer.tokenizer
+        trainer, n_dropped = build_trainer(config, run, scorer, train_rows, dev_rows)
+        if n_dropped:
+            log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
 
-    # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
-    metrics = train(trainer, run)
-    if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
-        metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
-                                     f"best_{config.audit_split}_loss": trainer.state.best_metric,
-                                     "epochs_trained": trainer.state.epoch}
-    save_adapter(model, tokenizer, run)
+        # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
+        metrics = train(trainer, run)
+        if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
+            metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
+                                         f"best_{config.audit_split}_loss": trainer.state.best_metric,
+                                         "epochs_trained": trainer.state.epoch}
+        save_adapter(model, tokenizer, run)
 
     # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
     prompts = [r["prompt"] for r in dev_rows]
@@ -150,6 +158,17 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                                                config.seed, split=config.audit_split, periods=periods,
                                                probes=get_task(run.task).PROBES)
     run.finish(metrics)
+
+
+def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict]):
+    """The feature judge fitted on the train pairs, or the ensemble of judge runs built; saved in the run."""
+    if config.judge_backbone == "features":
+        scorer = FeatureScorer.fit(train_rows)
+        scorer.name = run.dir.name
+        scorer.save(run.dir)
+        return scorer
+    return EnsembleScorer.build(config, run.dir, run.pairs_run, train_rows,
+                                batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
 
 
 def training_pairs(config: RewardStageConfig) -> tuple[list[dict], dict[str, list[dict]]]:

@@ -216,6 +216,7 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
             extra[name] = (rows, scorer.score(prompts, [r["chosen"] for r in rows]),
                            scorer.score(prompts, [r["rejected"] for r in rows]))
     result = audit(scorer.score, train, dev, chosen, rejected, split, extra, seed, periods, probes)
+    result.update(scorer.audit_fields() if hasattr(scorer, "audit_fields") else {})  # e.g. feature_coefficients
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
     summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],
