@@ -355,6 +355,12 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
             raise ConfigError("padding_free is for the pairwise lora_4bit judge (a causal decoder); got "
                               f"judge_backbone {self.judge_backbone}, judge_objective {self.judge_objective}",
                               "padding_free")
+        if self.judge_backbone in ("features", "ensemble") and self.early_stopping_patience:
+            raise ConfigError(f"field 'early_stopping_patience': judge_backbone {self.judge_backbone} has no epochs "
+                              f"to stop (nothing is trained by gradient steps); leave it 0", "early_stopping_patience")
+        if self.judge_backbone == "ensemble" and (self.cross_fit_folds or self.train_also):
+            raise ConfigError("field 'cross_fit_folds' / 'train_also': an ensemble trains nothing; its members' "
+                              "train_posts.json say what it trained on", "cross_fit_folds")
         if (self.judge_backbone == "ensemble") != bool(self.ensemble_of) or len(self.ensemble_of) == 1:
             raise ConfigError("field 'ensemble_of' takes two or more judge runs, with judge_backbone ensemble only; "
                               f"got {len(self.ensemble_of)} with judge_backbone {self.judge_backbone}", "ensemble_of")

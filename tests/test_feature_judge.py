@@ -165,3 +165,15 @@ def test_eval_takes_an_ensemble_and_refuses_a_changed_member(judges):
     (member / "manifest.json").write_text(json.dumps(recorded))
     with pytest.raises(RunError, match=f"{member.name}.*changed since the ensemble was built"):
         load_scorer(f"run:{run}")
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"judge_backbone": "features", "early_stopping_patience": 1}, "early_stopping_patience"),
+    ({"judge_backbone": "ensemble", "ensemble_of": ["a", "b"], "train_also": ["dev"]}, "cross_fit_folds"),
+    ({"judge_backbone": "ensemble", "ensemble_of": ["a"]}, "ensemble_of"),
+    ({"judge_backbone": "features", "ensemble_of": ["a", "b"]}, "ensemble_of"),
+])
+def test_settings_the_feature_judge_and_ensembles_cannot_use_are_refused(fields, field):
+    from common.config import ConfigError, RewardStageConfig
+    with pytest.raises(ConfigError, match=f"'{field}"):
+        RewardStageConfig(model_name_or_path=".cache/models/tiny-llama3", pairs_run="p", **fields)
