@@ -50,7 +50,7 @@ if [[ ${BUILTIN:-1} == 1 ]]; then
   )
 fi
 if [[ -n ${CANDIDATES_FILE:-} ]]; then
-  while read -r name args; do
+  while read -r name args || [[ -n $name ]]; do  # a last line without its newline too
     [[ -z $name || $name == \#* ]] && continue
     [[ -z ${CANDIDATES[$name]+set} ]] || { echo "error: $CANDIDATES_FILE: candidate $name given twice" >&2; exit 1; }
     CANDIDATES[$name]=$args
