@@ -102,7 +102,7 @@ def levers(items: list[str], rows: dict) -> list[dict]:
     base = [n for n in single if "+" not in n]
     reference = "minilm_pairwise" if "minilm_pairwise" in base else (base or single)[0]
     out = [lever_row("features" if n == "features" else "family / recipe", n, reference, runs, rows)
-           for n in base if n != reference]
+           for n in sorted(base) if n != reference]
     for name in single:
         plain, _, lever = name.rpartition("+")
         if plain in runs:
