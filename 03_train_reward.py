@@ -34,7 +34,7 @@ from common.audit import write_judge_audit
 from common.cli import cli
 from common.config import RewardStageConfig, load_run_config
 from common.data import DataError, cross_fit, load_split, write_jsonl
-from common.ensemble import EnsembleScorer
+from common.ensemble import EnsembleScorer, check_members
 from common.feature_judge import FeatureScorer
 from common.judges import write_train_posts
 from common.metrics import preference_metrics
@@ -87,6 +87,7 @@ def build_trainer(config: RewardStageConfig, run, scorer, train_rows: list[dict]
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
+    members = check_members(config) if config.judge_backbone == "ensemble" else []  # an ensemble's judge runs
     run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run},
               base=fingerprint(config))  # the pipeline's base, which 04 and 05 compare
     if not get_task(run.task).PAIRWISE:
@@ -110,7 +111,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     #     an ensemble loads its judge runs and measures each one's scale on the train replies
     #     (ensemble.json, train_posts.json: its members' posts). Both are judged and audited below.
     if config.judge_backbone in ("features", "ensemble"):
-        scorer, metrics, n_dropped = fit_without_training(config, run, train_rows), {}, 0
+        scorer, metrics, n_dropped = fit_without_training(config, run, train_rows, members), {}, 0
     else:
         # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
         #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
@@ -160,14 +161,14 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     run.finish(metrics)
 
 
-def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict]):
-    """The feature judge fitted on the train pairs, or the ensemble of judge runs built; saved in the run."""
+def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict], members: list[dict]):
+    """The feature judge fitted on the train pairs, or the ensemble of judge runs (`members`) built; saved in the run."""
     if config.judge_backbone == "features":
         scorer = FeatureScorer.fit(train_rows)
         scorer.name = run.dir.name
         scorer.save(run.dir)
         return scorer
-    return EnsembleScorer.build(config, run.dir, run.pairs_run, train_rows,
+    return EnsembleScorer.build(config, run.dir, members, train_rows,
                                 batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
 
 

@@ -40,6 +40,23 @@ def combine(z, how: str, lam: float = 1.0) -> np.ndarray:
     raise ValueError(f"ensemble_combine: unknown {how!r} (min or mean_minus_std)")
 
 
+def check_members(config) -> list[dict]:
+    """Stage 03, before its run directory exists: every member finished, unchanged, of config.pairs_run,
+    with its training posts recorded (05 checks them). Returns what ensemble.json records of each."""
+    ours = str(Path(config.pairs_run).resolve())
+    records = []
+    for i, path in enumerate(config.ensemble_of):
+        manifest = check_input(f"ensemble_of[{i}]", path)
+        theirs = lineage(manifest, Path(path))
+        if theirs != ours:
+            raise RunError(f"ensemble_of: judge {Path(path).name} ({path}) was trained on pairs run {theirs}, "
+                           f"not this ensemble's {ours}: an ensemble's judges must share one pairs run")
+        train_posts(path)
+        records.append({"path": str(Path(path).resolve()), "run_name": manifest.get("run_name"),
+                        "judge": manifest.get("judge"), "artifacts_sha256": digest_of(manifest["_digests"])})
+    return records
+
+
 class EnsembleScorer:
     """A Scorer over loaded member scorers: each member's z-scored score, combined."""
 
@@ -68,22 +85,12 @@ class EnsembleScorer:
         return {"ensemble": saved} if saved else {}
 
     @classmethod
-    def build(cls, config, run_dir: Path, pairs_run: str, train_rows: list[dict], batch_size: int = 8,
+    def build(cls, config, run_dir: Path, records: list[dict], train_rows: list[dict], batch_size: int = 8,
               packed: bool = True) -> "EnsembleScorer":
-        """Stage 03: check the members (finished, unchanged, of `pairs_run`), load them, measure each one's
-        z-stats on the train replies, write ensemble.json and train_posts.json (the members' posts, all of them)."""
+        """Stage 03: load the members (`records`: check_members'), measure each one's z-stats on the train
+        replies, write ensemble.json and train_posts.json (the members' posts, all of them)."""
         from common.scorers import load_scorer
-        ours = str(Path(pairs_run).resolve())
-        records, members = [], []
-        for i, path in enumerate(config.ensemble_of):
-            manifest = check_input(f"ensemble_of[{i}]", path)
-            theirs = lineage(manifest, Path(path))
-            if theirs != ours:
-                raise RunError(f"ensemble_of: judge {Path(path).name} ({path}) was trained on pairs run {theirs}, "
-                               f"not this ensemble's {ours}: an ensemble's judges must share one pairs run")
-            train_posts(path)  # refuses a member whose training posts are unknown: 05 could not check them
-            records.append({"path": str(Path(path).resolve()), "run_name": manifest.get("run_name"),
-                            "judge": manifest.get("judge"), "artifacts_sha256": digest_of(manifest["_digests"])})
+        members = []
         prompts = [r["prompt"] for r in train_rows] * 2
         replies = [r["chosen"] for r in train_rows] + [r["rejected"] for r in train_rows]
         for record in records:

@@ -141,8 +141,10 @@ def test_ensemble_of_judge_runs_is_built_audited_and_reloaded(judges, tmp_path):
 
 
 def test_ensemble_refuses_a_judge_of_another_pairs_run(judges):
+    before = sorted(judges["runs"].iterdir())
     line = error_line(_ensemble(judges, judges["a"], judges["other"]))
     assert judges["other"].name in line and "pairs run" in line
+    assert sorted(judges["runs"].iterdir()) == before  # refused before any run directory was made
 
 
 def test_eval_takes_an_ensemble_and_refuses_a_changed_member(judges):
