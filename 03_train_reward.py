@@ -18,7 +18,9 @@ period (stage 01's `split_by: period`), the audit names test the later period an
 both baselines on each. `cross_fit_folds: k` with `cross_fit_fold: j` trains on all but fold j of
 train_split's posts (folds by a hash of the post id) and audits fold j too (`test_fold<j>`): the k
 runs are 05's --crossfit_judge_runs; `train_also` adds more splits' pairs. `early_stopping_patience` judges the audit split after every epoch and keeps
-the epoch of lowest loss there. The manifest's `base` is the
+the epoch of lowest loss there. `judge_backbone: features` fits a logistic regression on Tan et al.'s
+features instead (feature_judge.json, no neural model); `ensemble` combines the judge runs of
+`ensemble_of` (ensemble.json); both are judged and audited as the others. The manifest's `base` is the
 pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` the judge's own backbone.
 """
 from __future__ import annotations
