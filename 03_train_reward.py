@@ -20,7 +20,10 @@ train_split's posts (folds by a hash of the post id) and audits fold j too (`tes
 runs are 05's --crossfit_judge_runs; `train_also` adds more splits' pairs. `early_stopping_patience` judges the audit split after every epoch and keeps
 the epoch of lowest loss there. `--corruptions` adds (real reply over its corruption) pairs and
 `--hard_negatives` an Eval run's replies as losers to the real winners of their posts; the audit's
-`corruption` key says how often the judge prefers real replies to corruptions (docs/results.md). The manifest's `base` is the
+`corruption` key says how often the judge prefers real replies to corruptions (docs/results.md).
+`judge_backbone: features` fits a logistic regression on Tan et al.'s features instead
+(feature_judge.json, no neural model); `ensemble` combines the judge runs of `ensemble_of`
+(ensemble.json); both are judged and audited as the others. The manifest's `base` is the
 pipeline's base (model_name_or_path, what stages 04/05 lock on) and its `judge` the judge's own backbone.
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ from common.cli import cli
 from common.config import RewardStageConfig, load_run_config
 from common.corruptions import corruption_pairs
 from common.data import DataError, cross_fit, load_split, write_jsonl
+from common.ensemble import EnsembleScorer, check_members
+from common.feature_judge import FeatureScorer
 from common.hard_negatives import hard_negative_pairs, parse
 from common.judges import write_train_posts
 from common.metrics import preference_metrics
@@ -89,6 +94,7 @@ def build_trainer(config: RewardStageConfig, run, scorer, train_rows: list[dict]
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
+    members = check_members(config) if config.judge_backbone == "ensemble" else []  # an ensemble's judge runs
     hard = {f"hard_negatives[{i}]": parse(spec, [])[0] for i, spec in enumerate(config.hard_negatives)}
     run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run, **hard},
               base=fingerprint(config))  # the pipeline's base, which 04 and 05 compare
@@ -118,28 +124,35 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
              config.train_split, len(dev_rows), config.audit_split)
 
-    # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
-    #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
-    #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
-    #    --corruptions: each kind's (real reply over its corruption) pairs, made of what the judge reads of
-    #    each reply (common/corruptions.py).
-    scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
-    model, tokenizer = scorer.model, scorer.tokenizer
-    bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share,
-                                            scorer.visible_reply) if config.corruptions else ([], {})
-    log.info("plus %d corruption pairs %s and %d hard-negative pairs %s", len(bad_rows),
-             bad_counts.get("corruption_pairs", {}), len(hard_rows), hard_counts)
-    trainer, n_dropped = build_trainer(config, run, scorer, train_rows + hard_rows + bad_rows, dev_rows)
-    if n_dropped:
-        log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
+    # 3'. No neural model: the feature judge is a logistic regression fitted here (feature_judge.json);
+    #     an ensemble loads its judge runs and measures each one's scale on the train replies
+    #     (ensemble.json, train_posts.json: its members' posts). Both are judged and audited below.
+    if config.judge_backbone in ("features", "ensemble"):
+        scorer, metrics, n_dropped = fit_without_training(config, run, train_rows, members), {}, 0
+        bad_counts = {}
+    else:
+        # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
+        #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
+        #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
+        #    --corruptions: each kind's (real reply over its corruption) pairs, made of what the judge reads of
+        #    each reply (common/corruptions.py).
+        scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
+        model, tokenizer = scorer.model, scorer.tokenizer
+        bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share,
+                                                scorer.visible_reply) if config.corruptions else ([], {})
+        log.info("plus %d corruption pairs %s and %d hard-negative pairs %s", len(bad_rows),
+                 bad_counts.get("corruption_pairs", {}), len(hard_rows), hard_counts)
+        trainer, n_dropped = build_trainer(config, run, scorer, train_rows + hard_rows + bad_rows, dev_rows)
+        if n_dropped:
+            log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
 
-    # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
-    metrics = train(trainer, run)
-    if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
-        metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
-                                     f"best_{config.audit_split}_loss": trainer.state.best_metric,
-                                     "epochs_trained": trainer.state.epoch}
-    save_adapter(model, tokenizer, run)
+        # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
+        metrics = train(trainer, run)
+        if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
+            metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
+                                         f"best_{config.audit_split}_loss": trainer.state.best_metric,
+                                         "epochs_trained": trainer.state.epoch}
+        save_adapter(model, tokenizer, run)
 
     # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
     prompts = [r["prompt"] for r in dev_rows]
@@ -176,6 +189,17 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                                                config.seed, split=config.audit_split, periods=periods,
                                                probes=get_task(run.task).PROBES, corruption_splits=gibberish)
     run.finish(metrics)
+
+
+def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict], members: list[dict]):
+    """The feature judge fitted on the train pairs, or the ensemble of judge runs (`members`) built; saved in the run."""
+    if config.judge_backbone == "features":
+        scorer = FeatureScorer.fit(train_rows)
+        scorer.name = run.dir.name
+        scorer.save(run.dir)
+        return scorer
+    return EnsembleScorer.build(config, run.dir, members, train_rows,
+                                batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
 
 
 def training_pairs(config: RewardStageConfig) -> tuple[list[dict], dict[str, list[dict]]]:

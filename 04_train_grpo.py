@@ -25,8 +25,8 @@ from common import fast
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
+from common.judges import load_judge
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.rewards import RewardScorer
 from common.runs import Run
 from common.training import save_adapter, train, trainer_args
 from common.watch import WatchedReward, watch_per_step
@@ -90,7 +90,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     #    The judge is the reward run's own (its config and `judge` fingerprint), watched: reply
     #    length, distinct-2 and premise overlap of every batch go to the log (watch/...); the length
     #    guard's reference is kept in the run directory, so a resumed run keeps it.
-    scorer = RewardScorer.from_run(config.reward_run, batch_size=config.reward_batch_size, packed=config.fast_paths)
+    scorer = load_judge(config.reward_run, batch_size=config.reward_batch_size, packed=config.fast_paths)
     judge = WatchedReward(scorer,
                           config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
     run.manifest["judge"] = run.inputs["reward_run"].get("judge")

@@ -225,6 +225,7 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
     if corruption_splits:
         result["corruption"] = corruptions.corruption_audit(scorer, corruption_splits, seed=seed)
         result["verdict"]["text"] += " " + corruptions.verdict_line(result["corruption"])
+    result.update(scorer.audit_fields() if hasattr(scorer, "audit_fields") else {})  # e.g. feature_coefficients
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
     summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],

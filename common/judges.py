@@ -157,9 +157,8 @@ class CrossFitScorer:
 
     def load(self, batch_size: int = 8, packed: bool = True) -> "CrossFitScorer":
         """A copy with its k judges loaded (freed with the copy: 05 holds one judge at a time)."""
-        from common.rewards import RewardScorer
-        loaded = copy.copy(self)
-        loaded.scorers = [RewardScorer.from_run(p, batch_size=batch_size, packed=packed) for p in self.runs]
+        loaded = copy.copy(self)  # each fold judge built by its backbone (a feature judge too)
+        loaded.scorers = [load_judge(p, batch_size=batch_size, packed=packed) for p in self.runs]
         return loaded
 
     @property

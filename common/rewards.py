@@ -43,6 +43,12 @@ def judge_spec(config: RewardStageConfig) -> tuple[ModelArgs, str]:
 
 
 def judge_fingerprint(config: RewardStageConfig) -> dict:
+    if config.judge_backbone == "features":  # no weights: the features' version and names identify it
+        from common.feature_judge import feature_fingerprint
+        return feature_fingerprint()
+    if config.judge_backbone == "ensemble":  # its members' digests are in its ensemble.json
+        return {"backbone": "ensemble", "ensemble_of": [str(Path(p).resolve()) for p in config.ensemble_of],
+                "combine": config.ensemble_combine, "lambda": config.ensemble_lambda}
     args, kind = judge_spec(config)
     return {"backbone": config.judge_backbone, **fingerprint(args, kind)}
 

@@ -76,8 +76,16 @@ def register(kind: str):
 
 @register("run")
 def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scorer:
+    """A stage-03 run's judge, built by its config's judge_backbone: a model (lora_4bit, encoder), the
+    feature judge (features) or an ensemble of judge runs (ensemble)."""
+    from common.config import RewardStageConfig, load_run_config
+    from common.ensemble import EnsembleScorer
+    from common.feature_judge import FeatureScorer
     from common.rewards import RewardScorer
-    return RewardScorer.from_run(path, batch_size=batch_size, packed=packed)
+    config = load_run_config(path)
+    backbone = config.judge_backbone if isinstance(config, RewardStageConfig) else None
+    built = {"features": FeatureScorer, "ensemble": EnsembleScorer}.get(backbone, RewardScorer)
+    return built.from_run(path, batch_size=batch_size, packed=packed)
 
 
 # Modules whose scorers register themselves when imported: imported on the first load_scorer.

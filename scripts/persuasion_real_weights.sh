@@ -12,7 +12,7 @@
 #      persuasion_grpo_rewards.png.
 # RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
-# SMOL, OTHER_FAMILIES: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
+# SMOL, CANDIDATES_FILE: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
 # --max_prompts 256); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
 # RUNS_DIR/logs): one log a stage. Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"

@@ -144,13 +144,15 @@ def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
 
     bert = tiny_bert(tmp_path)
     env = {**os.environ, "RUNS_DIR": str(tmp_path / "my runs"),  # a space in it: every path stays whole
-           "SUMMARY_DIR": str(tmp_path / "summary"), "RECIPE_03": "configs/tiny", "MINILM": str(bert), "LONG_EPOCHS": "3", "PY": sys.executable}
+           "SUMMARY_DIR": str(tmp_path / "summary"), "RECIPE_03": "configs/tiny", "MINILM": str(bert), "LONG_EPOCHS": "3",
+           "PY": sys.executable, "ENSEMBLE_SIZES": "2"}
     proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((tmp_path / "summary" / "judges_later_posts.json").read_text())
     names = {"minilm_pairwise", "minilm_pairwise_premise256", "minilm_pairwise_lr5e-5_3ep", "minilm_pairwise_seed7",
-             "minilm_pointwise", "minilm_pairwise_reply_only", "smollm2_decoder", "smollm2_decoder_lr3e-4", "ensemble"}
-    assert set(summary["judges"]) == names and summary["chosen_on"] == "dev_later"
+             "minilm_pointwise", "minilm_pairwise_reply_only", "smollm2_decoder", "smollm2_decoder_lr3e-4", "features"}
+    conservative = {"ensemble_min_best2", "ensemble_mean_minus_std_best2"}
+    assert set(summary["judges"]) == names | conservative | {"ensemble"} and summary["chosen_on"] == "dev_later"
     for name, row in summary["judges"].items():
         if name != "ensemble":
             assert row["dev"]["period"] == "in-period" and row["test"]["period"] == "period"
@@ -160,6 +162,21 @@ def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
             assert 0 <= row[split]["length_only"] <= 1 and 0 <= row[split]["bag_of_words"] <= 1
         assert isinstance(row["meets_target_on_later_posts"], bool)
     default = [n for n, row in summary["judges"].items() if row.get("default")]
-    best = max((n for n in names - {"ensemble"}), key=lambda n: summary["judges"][n]["dev_later"]["accuracy"])
-    assert default == [best] and proc.stdout.strip().splitlines()[-1].startswith(f"best: {best} ")
+    ranked = sorted(names, key=lambda n: -summary["judges"][n]["dev_later"]["accuracy"])  # single judges only
+    assert default == ranked[:1] and proc.stdout.strip().splitlines()[-1].startswith(f"best: {ranked[0]} ")
     assert len(summary["judges"]["ensemble"]["runs"]) == 2
+    # The conservative ensembles are of the two best single judges on dev_later.
+    members = json.loads((tmp_path / "my runs" / "Judge_ensemble_min_best2" / "ensemble.json").read_text())["members"]
+    assert [m["run_name"] for m in members] == [summary["judges"][n]["run"] for n in ranked[:2]]
+    # The levers table: every single judge but the reference against minilm_pairwise, each ensemble against
+    # its best member, with paired intervals on the same dev_later pairs.
+    table = {row["judge"]: row for row in summary["levers"]}
+    assert set(table) == (names | conservative) - {"minilm_pairwise"}
+    assert table["features"]["lever"] == "features" and table["features"]["against"] == "minilm_pairwise"
+    assert table["ensemble_min_best2"]["against"] == ranked[0]
+    for row in table.values():
+        low, high = row["gain_ci95"]
+        assert row["n_pairs"] > 0 and low <= row["gain"] <= high
+        assert row["gain"] == pytest.approx(row["accuracy"] - summary["judges"][row["against"]]["dev_later"]["accuracy"])
+    markdown = (tmp_path / "summary" / "judges_later_posts.md").read_text()
+    assert markdown.count("\n| ") == len(table) + 1 and "| features | features | minilm_pairwise |" in markdown

@@ -228,7 +228,7 @@ def _judge_dir(path: Path, dev_later_accuracy: float) -> None:
         (path / name).write_text(json.dumps(data))
 
 
-CANDIDATES = ("minilm_pairwise", "minilm_pairwise_premise256", "minilm_pairwise_lr5e-5_3ep", "minilm_pairwise_seed7",
+CANDIDATES = ("features", "minilm_pairwise", "minilm_pairwise_premise256", "minilm_pairwise_lr5e-5_3ep", "minilm_pairwise_seed7",
               "minilm_pointwise", "minilm_pairwise_reply_only", "smollm2_decoder", "smollm2_decoder_lr3e-4")
 
 

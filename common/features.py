@@ -1,0 +1,89 @@
+"""The features of the feature judge (`judge_backbone: features`), after Tan et al. 2016, "Winning
+Arguments": how a reply interplays with the original post, and its style.
+
+Interplay (word types, lower case): how many the reply shares with the post, split into stop words
+(scikit-learn's English list) and content words, their Jaccard overlaps, the share of the reply's
+words that are in the post and of the post's that are in the reply. Style: length in words,
+paragraphs, hedges, definite and indefinite articles, second-person pronouns, questions, quoted lines
+(`>`), quotation marks, links, examples ("for example", "e.g.", ...) and numbers. Counts are log1p:
+a pair's two replies are length-balanced by stage 01, and the difference of logs is a ratio.
+`features(premise, reply)` gives one vector in the order of FEATURE_NAMES.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+# Bumped whenever what a feature measures changes: a saved feature judge records it and is refused
+# by a version of this module that would compute other numbers.
+FEATURES_VERSION = 1
+
+HEDGES = ("might", "perhaps", "maybe", "possibly", "probably", "could be", "may be", "seems", "seem",
+          "i think", "i believe", "i guess", "likely", "somewhat", "arguably", "it appears", "sort of", "kind of")
+EXAMPLES = ("for example", "for instance", "e.g.", "such as", "to illustrate")
+SECOND_PERSON = {"you", "your", "yours", "yourself", "yourselves", "you're", "you've", "you'd", "you'll"}
+
+INTERPLAY = ["shared_words", "shared_stop_words", "shared_content_words", "jaccard_words", "jaccard_stop_words",
+             "jaccard_content_words", "reply_words_in_op", "op_words_in_reply"]
+STYLE = ["log_words", "paragraphs", "hedges", "definite_articles", "indefinite_articles", "second_person",
+         "questions", "quoted_lines", "quotation_marks", "links", "examples", "numbers"]
+FEATURE_NAMES = INTERPLAY + STYLE
+
+WORD = re.compile(r"[a-z0-9][a-z0-9']*")
+LINK = re.compile(r"https?://|www\.", re.I)
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*%?")
+QUOTES = re.compile(r"[\"“”]")
+
+
+def words(text: str) -> list[str]:
+    return WORD.findall(text.lower())
+
+
+def _jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b) if a | b else 0.0
+
+
+def _phrases(text: str, phrases) -> int:
+    """Occurrences of each phrase as whole words (\"e.g.\" too)."""
+    low = " " + " ".join(text.lower().split()) + " "
+    return sum(len(re.findall(r"(?<![\w])" + re.escape(p) + r"(?![\w])", low)) for p in phrases)
+
+
+def interplay(premise: str, reply: str) -> list[float]:
+    op, rep = set(words(premise)), set(words(reply))
+    stop = set(ENGLISH_STOP_WORDS)
+    op_stop, rep_stop, op_content, rep_content = op & stop, rep & stop, op - stop, rep - stop
+    return [math.log1p(len(op & rep)), math.log1p(len(op_stop & rep_stop)), math.log1p(len(op_content & rep_content)),
+            _jaccard(op, rep), _jaccard(op_stop, rep_stop), _jaccard(op_content, rep_content),
+            len(op & rep) / len(rep) if rep else 0.0, len(op & rep) / len(op) if op else 0.0]
+
+
+def style(reply: str) -> list[float]:
+    tokens = words(reply)
+    lines = reply.splitlines()
+    counts = [
+        len([p for p in re.split(r"\n\s*\n", reply) if p.strip()]),
+        _phrases(reply, HEDGES),
+        tokens.count("the"),
+        tokens.count("a") + tokens.count("an"),
+        sum(t in SECOND_PERSON for t in tokens),
+        reply.count("?"),
+        sum(line.lstrip().startswith(">") for line in lines),
+        len(QUOTES.findall(reply)),
+        len(LINK.findall(reply)),
+        _phrases(reply, EXAMPLES),
+        len(NUMBER.findall(reply)),
+    ]
+    return [math.log1p(len(reply.split()))] + [math.log1p(c) for c in counts]
+
+
+def features(premise: str, reply: str) -> list[float]:
+    """One reply's feature vector (FEATURE_NAMES' order) against the post it answers."""
+    return interplay(premise, reply) + style(reply)
+
+
+def premise_text(prompt: list[dict]) -> str:
+    """The original post as a judge reads it: the prompt's user turns, without the system turn."""
+    return "\n\n".join(m["content"] for m in prompt if m["role"] != "system")

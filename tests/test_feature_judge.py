@@ -1,0 +1,181 @@
+"""The feature judge (common/features.py, common/feature_judge.py) and conservative ensembles of judge
+runs (common/ensemble.py): features on fixed text, z-scoring and the two combinations on fixed scores,
+stage 03 fitting both and `load_scorer("run:PATH")` rebuilding them, the refusals, and stage 05 scoring
+with an ensemble."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import error_line, run_dir_of, run_stage
+
+from common.data import load_split
+from common.ensemble import EnsembleScorer, combine, z_stats
+from common.feature_judge import FeatureScorer
+from common.features import FEATURE_NAMES, features
+from common.runs import RunError
+from common.scorers import load_scorer
+
+POST = "Cats are better pets than dogs. I think dogs need too much time, and cats are quiet."
+REPLY = ("> dogs need too much time\n\nPerhaps, but you might find that a dog gets you outside. For example, "
+         "the 2019 study (https://example.org/a) found 34 % more walking.\n\nWhat about \"quiet\" cats at 4 am?")
+
+
+def test_features_on_fixed_text():
+    f = dict(zip(FEATURE_NAMES, features(POST, REPLY)))
+    assert len(f) == len(FEATURE_NAMES) == 20
+    op = {"cats", "are", "better", "pets", "than", "dogs", "i", "think", "need", "too", "much", "time", "and", "quiet"}
+    # Reply word types shared with the post: dogs, need, time, quiet, cats (content) and too, much (stop words).
+    assert f["shared_words"] == pytest.approx(math.log1p(7))
+    assert f["shared_content_words"] == pytest.approx(math.log1p(5))
+    assert f["shared_stop_words"] == pytest.approx(math.log1p(2))
+    assert f["op_words_in_reply"] == pytest.approx(7 / len(op))
+    assert 0 < f["jaccard_words"] < f["op_words_in_reply"]
+    assert f["log_words"] == pytest.approx(math.log1p(len(REPLY.split())))
+    counts = {"paragraphs": 3, "hedges": 2, "definite_articles": 1, "indefinite_articles": 2, "second_person": 2,
+              "questions": 1, "quoted_lines": 1, "quotation_marks": 2, "links": 1, "examples": 1, "numbers": 3}
+    for name, n in counts.items():
+        assert f[name] == pytest.approx(math.log1p(n)), name
+    # The same reply to a post it shares nothing with: no interplay, the same style.
+    other = dict(zip(FEATURE_NAMES, features("Zebras graze.", REPLY)))
+    assert other["shared_words"] == other["jaccard_words"] == 0 and other["hedges"] == f["hedges"]
+
+
+def test_feature_scorer_learns_a_planted_cue():
+    """Winners quote the post (a `>` line), losers do not: the fitted weight of quoted_lines is the largest."""
+    rng = np.random.default_rng(0)
+    vocab = "the a claim view post reason evidence because however people think".split()
+    rows = []
+    for i in range(60):
+        text = lambda: " ".join(rng.choice(vocab, 30))  # noqa: E731
+        prompt = [{"role": "user", "content": f"post {i}: " + text()}]
+        rows.append({"prompt": prompt, "chosen": "> a line of the post\n\n" + text(), "rejected": text()})
+    scorer = FeatureScorer.fit(rows)
+    coefs = scorer.coefficients()
+    assert max(coefs, key=lambda k: abs(coefs[k])) == "quoted_lines" and coefs["quoted_lines"] > 0
+    chosen = scorer.score([r["prompt"] for r in rows], [r["chosen"] for r in rows])
+    rejected = scorer.score([r["prompt"] for r in rows], [r["rejected"] for r in rows])
+    assert all(c > r for c, r in zip(chosen, rejected))
+
+
+def test_ensemble_z_scores_and_combines_fixed_scores():
+    a, b = [1.0, 2.0, 3.0, 4.0], [10.0, 10.0, 30.0, 30.0]
+    sa, sb = z_stats(a), z_stats(b)
+    assert sa == {"mean": 2.5, "sd": pytest.approx(math.sqrt(1.25))} and sb == {"mean": 20.0, "sd": 10.0}
+    assert z_stats([5.0, 5.0]) == {"mean": 5.0, "sd": 1.0}
+    z = np.array([[-1.0, 0.5, 2.0], [1.0, 0.5, -1.0]])
+    assert combine(z, "min").tolist() == [-1.0, 0.5, -1.0]
+    assert combine(z, "mean_minus_std", 1.0).tolist() == pytest.approx([-1.0, 0.5, -1.0])
+    assert combine(z, "mean_minus_std", 0.5).tolist() == pytest.approx([-0.5, 0.5, -0.25])
+    assert combine(z, "mean_minus_std", 0.0).tolist() == pytest.approx([0.0, 0.5, 0.5])
+
+    class Fixed:
+        def __init__(self, scores, name):
+            self.scores, self.name = scores, name
+
+        def score(self, prompts, replies):
+            return self.scores[: len(replies)]
+
+    ens = EnsembleScorer([Fixed(a, "a"), Fixed(b, "b")], [sa, sb], "min", 1.0)
+    za, zb = (np.array(a) - 2.5) / math.sqrt(1.25), (np.array(b) - 20.0) / 10.0
+    assert ens.score([[]] * 4, ["r"] * 4) == pytest.approx(np.minimum(za, zb).tolist())
+
+
+@pytest.fixture(scope="module")
+def judges(tmp_path_factory):
+    """A pairs run split by period, two feature judges on it (16 and 8 train pairs), one on another pairs run."""
+    runs = tmp_path_factory.mktemp("features") / "runs"
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
+                                 "--split_by", "period", "--test_fraction", "0.1", "--runs_dir", runs))
+    fit = lambda p, *a: run_dir_of(run_stage("03_train_reward.py", "--config",  # noqa: E731
+                                             "configs/tiny/03_train_reward_features.yaml", "--pairs_run", p,
+                                             "--runs_dir", runs, *a))
+    other_pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
+                                       "--runs_dir", runs))
+    return {"runs": runs, "pairs": pairs, "a": fit(pairs), "b": fit(pairs, "--max_train_examples", 8),
+            "other": fit(other_pairs)}
+
+
+def _ensemble(judges, *members, combine_="min"):
+    return run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward_features.yaml",
+                     "--judge_backbone", "ensemble", "--ensemble_of", *members, "--ensemble_combine", combine_,
+                     "--pairs_run", judges["pairs"], "--runs_dir", judges["runs"], check=False)
+
+
+def test_feature_judge_trains_through_stage_03_and_reloads(judges):
+    run = judges["a"]
+    assert (run / "feature_judge.json").is_file() and not (run / "adapter").exists()
+    audit = json.loads((run / "judge_audit.json").read_text())
+    assert set(audit["feature_coefficients"]) == set(FEATURE_NAMES)
+    assert {"length_only", "bag_of_words"} <= set(audit["baselines"]) and {"dev_later", "test"} <= set(audit["other_splits"])
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["judge"]["backbone"] == "features" and manifest["judge"]["features_version"] >= 1
+    scorer = load_scorer(f"run:{run}")
+    assert isinstance(scorer, FeatureScorer) and scorer.name == run.name
+    dev = load_split(judges["pairs"], "dev")[:8]
+    saved = [json.loads(line) for line in (run / "dev_scores.jsonl").read_text().splitlines()]
+    again = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
+    assert again == pytest.approx([s["chosen_score"] for s in saved]) and len(set(again)) > 1
+
+
+def test_ensemble_of_judge_runs_is_built_audited_and_reloaded(judges, tmp_path):
+    run = run_dir_of(_ensemble(judges, judges["a"], judges["b"], combine_="mean_minus_std"))
+    saved = json.loads((run / "ensemble.json").read_text())
+    assert [m["run_name"] for m in saved["members"]] == [judges["a"].name, judges["b"].name]
+    assert saved["combine"] == "mean_minus_std" and all(m["z"]["sd"] > 0 for m in saved["members"])
+    audit = json.loads((run / "judge_audit.json").read_text())
+    assert audit["ensemble"]["members"][0]["artifacts_sha256"] == saved["members"][0]["artifacts_sha256"]
+    posts = [json.loads((r / "train_posts.json").read_text())["posts"] for r in (judges["a"], judges["b"])]
+    assert json.loads((run / "train_posts.json").read_text())["posts"] == sorted(set(posts[0]) | set(posts[1]))
+    scorer = load_scorer(f"run:{run}")
+    assert isinstance(scorer, EnsembleScorer) and [m.name for m in scorer.members] == [judges["a"].name, judges["b"].name]
+    dev = load_split(judges["pairs"], "dev")[:8]
+    prompts, replies = [r["prompt"] for r in dev], [r["chosen"] for r in dev]
+    z = np.array([(np.array(load_scorer(f"run:{judges[k]}").score(prompts, replies)) - m["z"]["mean"]) / m["z"]["sd"]
+                  for k, m in zip("ab", saved["members"])])
+    assert scorer.score(prompts, replies) == pytest.approx((z.mean(0) - z.std(0)).tolist())
+    rows = [json.loads(line) for line in (run / "dev_scores.jsonl").read_text().splitlines()]
+    assert [r["chosen_score"] for r in rows] == pytest.approx(scorer.score(prompts, replies))
+
+
+def test_ensemble_refuses_a_judge_of_another_pairs_run(judges):
+    before = sorted(judges["runs"].iterdir())
+    line = error_line(_ensemble(judges, judges["a"], judges["other"]))
+    assert judges["other"].name in line and "pairs run" in line
+    assert sorted(judges["runs"].iterdir()) == before  # refused before any run directory was made
+
+
+def test_eval_takes_an_ensemble_and_refuses_a_changed_member(judges):
+    run = run_dir_of(_ensemble(judges, judges["a"], judges["b"]))
+    eval_run = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run",
+                                    judges["pairs"], "--reward_run", run, "--max_premises", 2, "--max_new_tokens", 4,
+                                    "--runs_dir", judges["runs"]))
+    results = json.loads((eval_run / "eval.json").read_text())
+    assert results["base"]["win_rate_vs_base"] == pytest.approx(0.5)
+    manifest = json.loads((eval_run / "manifest.json").read_text())
+    assert manifest["judge"]["backbone"] == "ensemble"
+    # A member's fitted numbers changed (its own record rewritten to match): the ensemble's digest catches it.
+    member = judges["b"]
+    fitted = json.loads((member / "feature_judge.json").read_text())
+    fitted["coef"] = [-c for c in fitted["coef"]]
+    (member / "feature_judge.json").write_text(json.dumps(fitted))
+    from common.provenance import artifact_digests
+    recorded = json.loads((member / "manifest.json").read_text())
+    recorded["artifacts"] = artifact_digests(member)
+    (member / "manifest.json").write_text(json.dumps(recorded))
+    with pytest.raises(RunError, match=f"{member.name}.*changed since the ensemble was built"):
+        load_scorer(f"run:{run}")
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"judge_backbone": "features", "early_stopping_patience": 1}, "early_stopping_patience"),
+    ({"judge_backbone": "ensemble", "ensemble_of": ["a", "b"], "train_also": ["dev"]}, "cross_fit_folds"),
+    ({"judge_backbone": "ensemble", "ensemble_of": ["a"]}, "ensemble_of"),
+    ({"judge_backbone": "features", "ensemble_of": ["a", "b"]}, "ensemble_of"),
+])
+def test_settings_the_feature_judge_and_ensembles_cannot_use_are_refused(fields, field):
+    from common.config import ConfigError, RewardStageConfig
+    with pytest.raises(ConfigError, match=f"'{field}"):
+        RewardStageConfig(model_name_or_path=".cache/models/tiny-llama3", pairs_run="p", **fields)
