@@ -165,17 +165,19 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
                   "difference, read at equal length, as AlpacaEval's length-controlled win rate)."]
     judge_head = " reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |" if rewards else ""
     lines += ["*Looped*: a sentence or line of 5+ words said 3 or more times; *copied*: the share of a reply's "
-              f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies."]
+              f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies; "
+              "*refused*: the share of replies that decline (\"I'm sorry, but I can't\", \"As an AI\", ...: "
+              "common/watch.py REFUSAL_PATTERNS)."]
     lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | looped | copied | "
-              "distinct-2 |",
-              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "distinct-2 | refused |",
+              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in names:
         r = results[name]
         judge = (f" {_fmt(r.get('reward_mean'))} | {_with_ci(r, 'win_rate_vs_base')} | "
                  f"{_with_ci(r, 'lc_win_rate_vs_base')} |") if rewards else ""
         lines.append(f"| {name} |{judge} {r['bleu4']:.2f} | {r['rouge1']:.3f} | {r['rouge2']:.3f} | "
                      f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {_fmt(r.get('looped_share'))} | "
-                     f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} |")
+                     f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} | {_fmt(r.get('refusal_share'))} |")
     lines += sections or []
     if judge_verdict:
         lines += ["", "## The judge", "", f"From the reward run's judge_audit.json: {judge_verdict}"]
