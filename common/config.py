@@ -183,6 +183,10 @@ class PairsConfig(RunArgs):
     data: list[str] = arg(help="JSONL or JSONL.gz files in the task's bundled format",
                           factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
     premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
+    system_prompt: str | None = arg(
+        None, "cmv: a system message put before every debate prompt (the pairs' `prompt`, so every later stage "
+        "trains and generates with it); null: none, and the model's chat template decides (Qwen 2.5's injects "
+        "its own default, Llama 3's none). A choice to make on the dev premises, recorded here")
     dev_fraction: float = arg(0.1, "share of premises (posts) in the dev split", ge=0, lt=1)
     test_fraction: float = arg(0.1, "share of premises (posts) in the test split (split_by post only)", ge=0, lt=1)
     split_by: Literal["post", "period"] = arg(
