@@ -192,7 +192,7 @@ def tiny_arch(folder: Path, arch: str) -> Path:
     elif arch == "gemma3_text":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
         model = Gemma3ForCausalLM(Gemma3TextConfig(
-            **common, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=32,
+            **common, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
             bos_token_id=tokenizer.bos_token_id))
         tokenizer.chat_template = None
