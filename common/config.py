@@ -212,6 +212,9 @@ class PairsConfig(RunArgs):
         if self.split_by == "period" and self.task != "cmv":
             raise ConfigError(f"field 'split_by': period needs rows that carry their source's period "
                               f"(source_split); the {self.task} task has none: use post", "split_by")
+        if self.system_prompt is not None and self.task != "cmv":
+            raise ConfigError(f"field 'system_prompt' frames the cmv task's debate prompts; the {self.task} task "
+                              "has none: leave it out", "system_prompt")
         if self.split_by == "period" and self.test_fraction != 0.1:
             raise ConfigError("field 'test_fraction' is not used with split_by period (the test split is the "
                               "later period's posts): leave it out", "test_fraction")

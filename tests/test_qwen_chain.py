@@ -47,3 +47,10 @@ def test_the_cmv_chain_runs_on_a_qwen2_model(tmp_path):
         assert 0 <= models[name]["refusal_share"] <= 1 and models[name]["n"] > 0
         assert models[name]["reply_words_mean"] > 0  # sampled: greedy, a tied-embedding random model says "\n"
     assert "| refused |" in (evaluation / "report.md").read_text()
+
+
+def test_a_system_prompt_is_refused_for_the_review_task(tmp_path):
+    proc = run_in_process("01_build_pairs.py", "--config", "configs/qwen-gpu/review/01_build_pairs.yaml",
+                          "--system_prompt", "You review papers.", "--runs_dir", tmp_path)
+    assert proc.returncode != 0 and "field 'system_prompt'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before any run directory
