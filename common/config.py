@@ -184,8 +184,9 @@ class PairsConfig(RunArgs):
                           factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
     premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
     system_prompt: str | None = arg(
-        None, "cmv: a system message before the post in every prompt (how the writer is framed, e.g. as a debater; "
-        "chosen on dev). None: no system message, and the model's chat template decides (Qwen's adds its own)")
+        None, "cmv: a system message put before every debate prompt (the pairs' `prompt`, so every later stage "
+        "trains and generates with it); null: none, and the model's chat template decides (Qwen 2.5's injects "
+        "its own default, Llama 3's none). A choice to make on the dev premises, recorded here")
     dev_fraction: float = arg(0.1, "share of premises (posts) in the dev split", ge=0, lt=1)
     test_fraction: float = arg(0.1, "share of premises (posts) in the test split (split_by post only)", ge=0, lt=1)
     split_by: Literal["post", "period"] = arg(
@@ -211,6 +212,9 @@ class PairsConfig(RunArgs):
         if self.split_by == "period" and self.task != "cmv":
             raise ConfigError(f"field 'split_by': period needs rows that carry their source's period "
                               f"(source_split); the {self.task} task has none: use post", "split_by")
+        if self.system_prompt is not None and self.task != "cmv":
+            raise ConfigError(f"field 'system_prompt' frames the cmv task's debate prompts; the {self.task} task "
+                              "has none: leave it out", "system_prompt")
         if self.split_by == "period" and self.test_fraction != 0.1:
             raise ConfigError("field 'test_fraction' is not used with split_by period (the test split is the "
                               "later period's posts): leave it out", "test_fraction")
@@ -222,9 +226,6 @@ class PairsConfig(RunArgs):
                               f"{self.dev_fraction} + {self.test_fraction}", "dev_fraction")
         if not self.data:
             raise ConfigError("field 'data' needs at least one file", "data")
-        if self.system_prompt is not None and self.task != "cmv":
-            raise ConfigError(f"field 'system_prompt' is for the cmv task's replies; the {self.task} task builds its "
-                              f"own prompt", "system_prompt")
         for path in self.pdf:
             if not Path(path).is_file() or Path(path).suffix.lower() != ".pdf":
                 raise ConfigError(f"field 'pdf': {path} is not a .pdf file", "pdf")

@@ -68,10 +68,10 @@ def resolve_model_path(name_or_path: str) -> str:
     return str(folder)
 
 
-# For a base model whose tokenizer has no chat template (Gemma-3-270M): each turn as "Role: text", so the
-# prompt and reply code that every model shares (fit_prompt, the judges' encode) runs unchanged.
-PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] | trim }}"
-                       "\n\n{% endfor %}{% if add_generation_prompt %}Assistant: {% endif %}")
+# A base model (Gemma 3 270M) ships no chat template: each turn as "role: content", blank lines between,
+# the reply after "assistant:". Any model's own template is kept.
+PLAIN_CHAT_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def load_tokenizer(args: ModelArgs):
@@ -116,8 +116,15 @@ def _load_encoder(args: ModelArgs, saved: str | Path | None, trainable: bool, to
     """A judge on an encoder (BERT-like): num_labels=1, full precision weights, every weight trained.
     bf16 autocast on GPUs comes from the trainer (precision_flags), as for the 4-bit path."""
     path = str(saved) if saved is not None else resolve_model_path(args.model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, attn_implementation=args.attn_implementation)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, attn_implementation=args.attn_implementation)
+    except ValueError as err:  # an architecture without that kernel (MPNet has no SDPA): its eager attention
+        if "attention implementation" not in str(err):
+            raise
+        log.warning("%s: no %s attention for this architecture, eager attention", path, args.attn_implementation)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                                   attn_implementation="eager")
     tokenizer = tokenizer or load_tokenizer(args)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(torch.device("cuda", local_device()) if torch.cuda.is_available() else "cpu")

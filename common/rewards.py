@@ -23,6 +23,7 @@ import torch
 
 from common.config import ModelArgs, RewardStageConfig, load_run_config
 from common.data import fit_prompt, fit_reply, read_json, token_ids, truncate_tokens
+from common.fast.shared_prompt import packs_rows
 from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer, unwrap_peft
 from common.runs import RunError
 from common.trl_compat import attn_implementation
@@ -116,7 +117,9 @@ class RewardScorer:
                  kind: str = SEQ_CLS, packed: bool = True):
         self.model, self.tokenizer, self.kind = model, tokenizer, kind
         self.name = "judge"  # a Scorer (common/scorers.py); from_run names it after its run
-        self.packed = packed and kind == SEQ_CLS  # False: right-padded batches, as transformers scores them
+        # False: right-padded batches, as transformers scores them (asked, or a model the packed rows do not fit)
+        self.packed = packed and kind == SEQ_CLS and packs_rows(model)
+        self._unpackable = packed and kind == SEQ_CLS and not self.packed
         self.max_prompt_tokens, self.max_length, self.batch_size = max_prompt_tokens, max_length, batch_size
         self._fitted: dict[str, list[dict]] = {}  # prompt -> prompt cut to max_prompt_tokens (GRPO scores 4 replies each)
         if kind == ENCODER and max_prompt_tokens + tokenizer.num_special_tokens_to_add(pair=True) >= max_length:
@@ -127,7 +130,12 @@ class RewardScorer:
     def scoring(self) -> str:
         """How it scores, for a manifest's `judge_scoring`: "packed" (the replies to a prompt share it) or
         "padded" (transformers' padded rows)."""
-        return "packed" if self.packed else "padded"
+        if self.packed:
+            return "packed"
+        why = ["sliding-window layers"] if self._unpackable else []
+        if attn_implementation(unwrap_peft(self.model)) == "eager":  # an encoder without SDPA (MPNet)
+            why.append("eager attention")
+        return f"padded ({', '.join(why)})" if why else "padded"
 
     @property
     def backends(self) -> dict:

@@ -54,13 +54,34 @@ def looped(text: str, min_words: int = 5, times: int = 3) -> bool:
     return bool(parts) and Counter(parts).most_common(1)[0][1] >= times
 
 
+# What an assistant model says when it declines instead of arguing. Each pattern is matched, case-blind,
+# in the reply's first 200 characters (where a refusal is made; a debate reply quoting "as an AI" later
+# is no refusal), with straight or curly apostrophes.
+REFUSAL_PATTERNS = (
+    r"\bI(?:'m| am) sorry,? but I (?:can(?:'t|not)|won't|am unable|'m unable|am not able)",
+    r"\bI (?:can(?:'t|not)|won't) (?:assist|help(?!\s+but)|comply|provide|engage|fulfil|fulfill|do that|write)",
+    r"\bI(?:'m| am) (?:unable|not able) to (?:assist|help(?!\s+but)|comply|provide|engage|fulfil|fulfill)",
+    r"\bas an AI\b",
+    r"\bas a language model\b",
+    r"\bI(?:'m| am) not comfortable\b",
+)
+_REFUSAL = re.compile("|".join(f"(?:{p})" for p in REFUSAL_PATTERNS), re.IGNORECASE)
+
+
+def refused(text: str, head: int = 200) -> bool:
+    """A reply that refuses: one of REFUSAL_PATTERNS in its first `head` characters."""
+    return bool(_REFUSAL.search(text[:head].replace("\u2019", "'")))
+
+
 def reply_shape(premises: list[str], replies: list[str]) -> dict:
     """What stage 05 reports of one model's replies besides the judges' verdicts: the share that loop,
-    the share of reply 3-grams copied from the premise (mean over replies), and distinct-2 over all."""
+    the share of reply 3-grams copied from the premise (mean over replies), distinct-2 over all, and
+    the share that refuse (`refused`)."""
     n = max(1, len(replies))
     return {"looped_share": sum(map(looped, replies)) / n,
             "premise_copy_share": sum(premise_overlap(p, r) for p, r in zip(premises, replies)) / n,
-            "distinct_2": distinct_n(replies, 2)}
+            "distinct_2": distinct_n(replies, 2),
+            "refusal_share": sum(map(refused, replies)) / n}
 
 
 def hacking_stats(premises: list[str], replies: list[str]) -> dict:

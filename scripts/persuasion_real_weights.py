@@ -11,7 +11,7 @@ and among them the highest training-judge reward averaged over base and SFT. `ri
 by how far their own reward rose: the mean of the last quarter of steps minus the first quarter's, in
 units of its standard error (the step-to-step sd), a training signal, never a test score.
 `summary` writes OUT_DIR/persuasion_real_weights.json: `models` (every model of the eval with `n`,
-looped_share, premise_copy_share, distinct_2, reply words, and per judge its reward and win rates vs
+looped_share, premise_copy_share, distinct_2, refusal_share, reply words, and per judge its reward and win rates vs
 the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
 pairs beside both baselines), the verdict lines, each GRPO run's reward curve and the rise, and the
 plot persuasion_grpo_rewards.png.
@@ -29,7 +29,7 @@ from common.data import read_json, write_json  # noqa: E402
 
 KEYS = ("reward_mean", "win_rate_vs_base", "win_rate_vs_base_ci95", "lc_win_rate_vs_base", "lc_win_rate_vs_base_ci95",
         "win_rate_vs_sft", "win_rate_vs_sft_ci95", "lc_win_rate_vs_sft", "lc_win_rate_vs_sft_ci95")
-SHAPE = ("looped_share", "premise_copy_share", "distinct_2", "reply_words_mean")
+SHAPE = ("looped_share", "premise_copy_share", "distinct_2", "refusal_share", "reply_words_mean")
 DECODING = ("temperature", "repetition_penalty", "no_repeat_ngram_size")
 
 

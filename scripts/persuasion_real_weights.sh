@@ -10,9 +10,11 @@
 #      most first, as `grpo`), grpo_from_base, DPO, ORPO, under the training judge and both held-out ones
 #   -> the summary (scripts/persuasion_real_weights.py): SUMMARY_DIR/persuasion_real_weights.json and
 #      persuasion_grpo_rewards.png.
-# RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny); PAIRS_CONFIG
+# RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny; configs/qwen-gpu with
+# MAX_PREMISES=100 and PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml: Qwen2.5-Coder-1.5B); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
-# SMOL, CANDIDATES_FILE: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
+# SMOL, ENCODER_JUDGE, DECODER_JUDGE, CANDIDATES_FILE: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes
+# to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
 # --max_prompts 256); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
 # RUNS_DIR/logs): one log a stage. Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"

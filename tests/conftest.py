@@ -32,6 +32,7 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `-m gpu` runs only these)")
+    config.addinivalue_line("markers", "stage: runs stage scripts end to end (`-m stage` runs only these)")
 
 
 def requires_gpu(test):
@@ -163,3 +164,46 @@ def smol_model() -> Path:
     where a test needs a model that knows English."""
     from common.local_models import ensure
     return ensure("smol", REPO / ".cache" / "models" / "smollm2-135m-instruct")
+
+
+# ChatML as Qwen 2.5 writes it (a default system turn when the messages bring none, no bos), spelt with
+# the tiny vocabulary's special tokens, so the tiny Qwen2 meets the prompt shapes the real one does.
+CHATML_DEFAULT_SYSTEM = (
+    "{% if messages[0]['role'] != 'system' %}<|start_header_id|>system\nYou are a helpful assistant.<|eot_id|>\n"
+    "{% endif %}{% for m in messages %}<|start_header_id|>{{ m['role'] }}\n{{ m['content'] }}<|eot_id|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant\n{% endif %}")
+
+
+def tiny_arch(folder: Path, arch: str) -> Path:
+    """A tiny random model of another architecture on the tiny tokenizer (2 layers, hidden 64), saved with
+    save_pretrained: `qwen2` (q/k/v biases, tied embeddings, ChatML with a default system turn, no bos),
+    `gemma3_text` (a base model: no chat template; sliding and full attention layers) or `mpnet` (an
+    encoder with a score head, all-mpnet-base-v2's shape)."""
+    from transformers import AutoTokenizer
+    out = Path(folder) / f"tiny-{arch}"
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    torch.manual_seed(0)
+    common = {"vocab_size": len(tokenizer), "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 128, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if arch == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        model = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=2, max_position_embeddings=4096,
+                                             tie_word_embeddings=True, bos_token_id=None))
+        tokenizer.chat_template = CHATML_DEFAULT_SYSTEM
+    elif arch == "gemma3_text":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
+            bos_token_id=tokenizer.bos_token_id))
+        tokenizer.chat_template = None
+    elif arch == "mpnet":
+        from transformers import MPNetConfig, MPNetForSequenceClassification
+        model = MPNetForSequenceClassification(MPNetConfig(**common, max_position_embeddings=514, num_labels=1))
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if arch == "gemma3_text":
+        (out / "chat_template.jinja").unlink(missing_ok=True)
+    return out

@@ -210,13 +210,3 @@ def test_balancing_sees_the_scrubbed_lengths(tmp_path):
         assert all("EDIT" not in p["chosen"] for p in pairs)
     assert metrics["scrubbed"]["winner_edit_note"] > 150
 
-
-def test_system_prompt_frames_every_prompt_and_is_refused_for_review():
-    from common.config import ConfigError, PairsConfig
-    row = _row(random.Random(0), 0, 0, 40, 40)
-    plain = cmv.rows_from(row, "f:1", PairsConfig())[0]
-    framed = cmv.rows_from(row, "f:1", PairsConfig(system_prompt="You argue civilly."))[0]
-    assert [m["role"] for m in plain["prompt"]] == ["user"]
-    assert framed["prompt"] == [{"role": "system", "content": "You argue civilly."}] + plain["prompt"]
-    with pytest.raises(ConfigError, match="system_prompt"):
-        PairsConfig(task="review", system_prompt="x", data=["data/review/neurips2025_papers_reviews.jsonl.gz"])

@@ -11,7 +11,7 @@ from conftest import run_dir_of, run_stage
 
 from common.best_of_n import keep_best
 from common.data import read_jsonl
-from common.watch import looped, reply_shape
+from common.watch import looped, refused, reply_shape
 
 
 def test_keep_best_keeps_the_argmax_of_each_premise():
@@ -38,6 +38,20 @@ def test_reply_shape_on_hand_made_texts():
     assert shape["looped_share"] == 0.0
     assert reply_shape([premise], [loop])["looped_share"] == 1.0
     assert reply_shape(["x"], ["a b a b"])["distinct_2"] == pytest.approx(2 / 3)  # ab, ba, ab
+
+
+def test_refusal_share_on_fixed_text():
+    refusals = ["I'm sorry, but I can't help with that request.", "I cannot assist with changing views.",
+                "As an AI language model, I do not hold opinions.", "I\u2019m sorry, but I cannot do that.",
+                "i am unable to provide an argument here."]
+    arguments = ["I can't help but think your view misses the cost to renters.",  # "can't help but": no refusal
+                 "Sorry to hear that, but consider the data: rents fell where supply rose.",
+                 "Your premise rests on one study. " + "x " * 120 + "As an AI researcher I disagree.",  # past the head
+                 ""]
+    assert [refused(t) for t in refusals] == [True] * 5
+    assert [refused(t) for t in arguments] == [False] * 4
+    shape = reply_shape(["p"] * 4, refusals[:1] + arguments[:3])
+    assert shape["refusal_share"] == pytest.approx(1 / 4)
 
 
 @pytest.fixture(scope="module")
@@ -132,4 +146,4 @@ def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
     report = (from_base["eval"] / "report.md").read_text()
     head = report.split("## Verdict", 1)
     assert len(head) == 2 and "| model |" not in head[0]  # the verdict comes before any table
-    assert "looped | copied | distinct-2" in report
+    assert "looped | copied | distinct-2 | refused" in report

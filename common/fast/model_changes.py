@@ -48,7 +48,13 @@ _LIGER_MODELS = weakref.WeakSet()  # models whose modules Liger has already repl
 def apply(trainer, config: TrainArgs) -> list[str]:
     """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
     applied, layout = [], token_budget.PADDED
-    if getattr(config, "padding_free", False):
+    packs = shared_prompt.packs_rows(trainer.model)  # no: sliding-window layers, plain padded rows
+    asked = [name for name in ("padding_free", "group_in_one_sequence") if getattr(config, name, False)]
+    if getattr(config, "loss", None) == "dpo" and getattr(config, "pair_in_one_sequence", False):
+        asked.append("pair_in_one_sequence")
+    if not packs and asked:
+        applied += [f"{name}_not_for_this_model" for name in asked]
+    if packs and getattr(config, "padding_free", False):
         share = config.prompt_once_per_pair
         padding_free.unpad_rows(trainer.model, share_prompt=share)
         applied += ["padding_free"] + (["prompt_once_per_pair"] if share else [])
@@ -58,7 +64,7 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     if isinstance(getattr(trainer, "data_collator", None), shared_prompt.SharedPromptCollator):
         applied.append("pair_in_one_sequence")  # installed with its collator, before the trainer was built
         layout = token_budget.ONE_SEQUENCE
-    if getattr(config, "group_in_one_sequence", False):
+    if packs and getattr(config, "group_in_one_sequence", False):
         shared_prompt.share_grpo_prompts(trainer, config.one_sequence_attention)
         applied.append("group_in_one_sequence")
     if config.fast_paths and getattr(config, "one_sequence_attention", None) == "flex_attention" \
@@ -99,7 +105,7 @@ def one_sequence_collator(model, tokenizer, config: DPOStageConfig):
     the collator that lays pairs out for it (else None, TRL's own collator). Called before the
     DPOTrainer is built, since TRL may precompute reference log-probs in its constructor; `apply`
     then records it. Returns (collator, the attention it runs)."""
-    if config.loss != "dpo" or not config.pair_in_one_sequence:
+    if config.loss != "dpo" or not config.pair_in_one_sequence or not shared_prompt.packs_rows(model):
         return None, None
     attention = shared_prompt.share_prompt(model, config.one_sequence_attention)
     return shared_prompt.SharedPromptCollator(pad_token_id=tokenizer.pad_token_id, max_length=config.max_length), \

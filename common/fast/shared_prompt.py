@@ -81,6 +81,15 @@ class SharedPromptCollator(DataCollatorForPreference):
         return batch
 
 
+def packs_rows(model) -> bool:
+    """Whether the packed layouts hold for `model` (a PeftModel or not): our mask makes every layer attend
+    causally within its sequence. A model with sliding-window layers (Gemma 3, every layer_types entry
+    `sliding_attention`) sees only its window there, so it runs the plain padded rows instead, and the
+    stages record that (common/fast/model_changes.py `apply`, the judge's `judge_scoring`)."""
+    config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
+    return "sliding_attention" not in (getattr(config, "layer_types", None) or [])
+
+
 def _pad(rows, length, value):
     out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
     for i, row in enumerate(rows):

@@ -133,7 +133,8 @@ def _cut_words(text: str, n: int) -> str:
     return "".join(out).rstrip()
 
 
-def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = True):
+def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = True,
+            system_prompt: str | None = None):
     """One input row -> a pair dict, or a drop reason (str). Malformed rows raise DataError. The pair's
     id is its `pair_id`, or without one the digest of its content (`content_id`), never its place in
     the file: a repeated row gets the same id."""
@@ -162,7 +163,8 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
         "id": (fields["pair_id"] or "").strip() or content_id(fields["op_id"], winner, loser),
         "group_id": fields["op_id"],
         "premise": premise,
-        "prompt": [{"role": "user", "content": INSTRUCTION + premise}],
+        "prompt": ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        + [{"role": "user", "content": INSTRUCTION + premise}],
         "chosen": winner,
         "rejected": loser,
         "source_split": fields["source_split"],
@@ -180,16 +182,12 @@ READOUT_SCALE = None  # a reply has no rating to read out
 def rows_from(row, where: str, config) -> list[dict] | str:
     """Stage 01: one source row -> [its pair], or a drop reason. Split by period, a row must say its
     period: any other value (`HeldOut`, null) would put a later post in train or dev unnoticed."""
-    pair = to_pair(row, where, config.premise_words, config.scrub_giveaways)
+    pair = to_pair(row, where, config.premise_words, config.scrub_giveaways, getattr(config, "system_prompt", None))
     if getattr(config, "split_by", None) == "period" and not isinstance(pair, str) \
             and pair["source_split"] not in PERIODS:
         raise DataError(f"{where}: field 'source_split' must be one of {', '.join(map(repr, PERIODS))} with "
                         f"split_by period, got {pair['source_split']!r}")
-    if isinstance(pair, str):
-        return pair
-    if getattr(config, "system_prompt", None):  # the framing of the reply, a recipe's choice (made on dev)
-        pair["prompt"] = [{"role": "system", "content": config.system_prompt}] + pair["prompt"]
-    return [pair]
+    return pair if isinstance(pair, str) else [pair]
 
 
 def check_config(config) -> None:
