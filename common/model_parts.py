@@ -138,7 +138,7 @@ def assemble(split: Split, cache: Path, offline: bool = False) -> Path:
 # The model payload: the joined file cut into pieces a GPU call can carry, each with the script that
 # appends it to the cache there; the last one checks the sha256 and names the file as `assemble` expects it.
 APPEND_SCRIPT = """#!/usr/bin/env bash
-# Piece {index} of {count} of {joined} ({kind}): run from the repo root, pieces in order, one per call.
+# m{index}: piece {number} of {count} of {joined} ({kind}). Run from the repo root, m0 first, in order.
 set -euo pipefail
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 cache="${{PARTS_CACHE:-.cache/parts/{kind}}}"
@@ -146,9 +146,9 @@ target="$cache/{joined}.partial"
 mkdir -p "$cache"
 [ {index} -eq 0 ] && rm -f "$target"
 have=$(stat -c %s "$target" 2>/dev/null || echo 0)
-if [ "$have" -eq {end} ]; then echo "piece {index} already appended"
+if [ "$have" -eq {end} ]; then echo "m{index} already appended"
 elif [ "$have" -eq {start} ]; then cat "$here/piece" >> "$target"
-else echo "error: $target has $have bytes, piece {index} starts at {start}: run the pieces in order from m0" >&2; exit 1
+else echo "error: $target has $have bytes, m{index} starts at {start}: run the pieces in order from m0" >&2; exit 1
 fi
 if [ {index} -eq $(({count} - 1)) ]; then
   sum=$(sha256sum "$target" | cut -d' ' -f1)
@@ -158,7 +158,7 @@ if [ {index} -eq $(({count} - 1)) ]; then
   mv "$target" "$cache/{joined}"
   echo "{joined} ready in $cache: python -m common.local_models {kind} --out DIR --offline"
 else
-  echo "piece {index} of {count} appended ($(stat -c %s "$target") bytes)"
+  echo "m{index}: piece {number} of {count} appended ($(stat -c %s "$target") bytes)"
 fi
 """
 
@@ -178,7 +178,7 @@ def pack(kind: str, split: Split, cache: Path, out: Path, piece_bytes: int = PIE
             (folder / "piece").write_bytes(block)
             start = index * piece_bytes
             script = folder / "append.sh"
-            script.write_text(APPEND_SCRIPT.format(index=index, count=count, joined=split.joined, kind=kind,
+            script.write_text(APPEND_SCRIPT.format(index=index, number=index + 1, count=count, joined=split.joined, kind=kind,
                                                    start=start, end=start + len(block), sha256=split.sha256))
             script.chmod(0o755)
             folders.append(folder)
