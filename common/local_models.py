@@ -224,7 +224,7 @@ def _build_gguf(spec: WheelModel, gguf_path: Path, out: Path) -> None:
     """Dequantise on the CPU, then copy the state dict into the plain class of the GGUF's architecture
     (save_pretrained refuses a GGUF-loaded model) and save it in bf16."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     folder, name = gguf_path.parent, gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -234,7 +234,10 @@ def _build_gguf(spec: WheelModel, gguf_path: Path, out: Path) -> None:
         raise PartError(f"{gguf_path}: carries no chat template and the table of kinds gives none")
     # Each tensor is dequantised in fp32 and cast to bf16 as it loads: the same bf16 weights as casting a
     # whole fp32 model, at half the memory (a 1.5B model in fp32 beside its bf16 copy needs ~11 GB).
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    # dequantize=True: where the `kernels` package has a GGUF matmul kernel, transformers would otherwise
+    # keep the weights packed, and the state dict would hold raw GGUF blocks.
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.bfloat16, quantization_config=GgufConfig(gguf_file=name, dequantize=True))
     config_dict = gguf_model.config.to_dict()
     for key in ("quantization_config", "gguf_file", "_name_or_path", "transformers_version"):
         config_dict.pop(key, None)
