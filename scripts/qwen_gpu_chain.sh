@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The qwen-gpu persuasion chain on one GPU machine without network, and how coherent each writer is
 # before any training (docs/results.md, "Real weights: Qwen 1.5B"):
-#   1. the models from their carried parts (python -m common.local_models; PARTS, default /tmp/parts):
+#   1. the models from their carried parts (`python -m common.local_models pack KIND --out model_payload/KIND`
+#      here, then `bash model_payload/KIND/mN/append.sh` there, one piece a call, in order; docs/performance.md):
 #      Qwen2.5-Coder-1.5B-Instruct (the writer), Gemma-3-270M (a judge of another family and the fluency
 #      LM), SmolLM2-135M-Instruct (the smol-gpu writer, and a Llama-family judge)
 #   2. scripts/persuasion_real_weights.sh with RECIPE=configs/qwen-gpu (judges of three families:
-#      MiniLM, SmolLM2, Gemma; OTHER_FAMILIES and GRPO_ONLY below size it for one GPU)
+#      MiniLM, SmolLM2, Gemma; CANDIDATES_FILE and GRPO_ONLY below size it for one GPU)
 #   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
 #      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py)
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
-PARTS=${PARTS:-/tmp/parts}
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
-export OTHER_FAMILIES=${OTHER_FAMILIES:-gemma} GRPO_ONLY=${GRPO_ONLY:-lr1e-4 lr1e-4_beta0.04_temperature0.8}
+export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} GRPO_ONLY=${GRPO_ONLY:-lr1e-4 lr1e-4_beta0.04_temperature0.8}
 t0=$(date +%s)
-"$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --parts "$PARTS" >&2
-"$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --parts "$PARTS" >&2
+"$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --offline >&2
+"$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --offline >&2
 "$PY" -m common.local_models smol --out .cache/models/smollm2-135m-instruct >&2
 built=$(( $(date +%s) - t0 ))
 # the GPU's peak memory, sampled every 5 s while the chain runs

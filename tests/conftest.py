@@ -33,6 +33,8 @@ if not torch.cuda.is_available():
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `-m gpu` runs only these)")
     config.addinivalue_line("markers", "stage: runs stage scripts end to end (`-m stage` runs only these)")
+    config.addinivalue_line("markers", "slow: loads a real model from its parts in .cache/parts (skipped without "
+                                       "them; `-m slow` runs only these)")
 
 
 def requires_gpu(test):

