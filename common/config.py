@@ -388,7 +388,8 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     guard_max_length_ratio: float | None = arg(
         2.0, "reward-hacking guard: stop when the mean reply length (words) of guard_patience batches in a "
         "row leaves [ref / ratio, ref * ratio], ref = the run's first batch; null turns it off", gt=1)
-    guard_patience: int = arg(2, "batches in a row outside the guard's band before it stops the run", ge=1)
+    guard_patience: int = arg(2, "logged steps in a row outside the guard's band before it stops the run (it reads "
+                              "the logged mean reply length: logging_steps 1 checks every step)", ge=1)
     group_in_one_sequence: bool = arg(True, "each premise with its replies as one sequence in the update, the "
                                       "premise computed once; same log-probs and loss as TRL's one row per reply")
     rollout_backend: Literal["static", "hf"] = arg(

@@ -259,7 +259,7 @@ def test_grpo_watch_and_guard_with_the_encoder_judge(encoder_pipeline):
     p = encoder_pipeline
     proc = _stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", p["sft"],
                   "--reward_run", p["reward"], "--runs_dir", p["runs"], "--max_steps", 4,
-                  "--guard_max_length_ratio", "1.0001", "--guard_patience", 1, check=False)
+                  "--guard_max_length_ratio", "1.0001", "--guard_patience", 1, "--beta", 0.05, check=False)
     assert proc.returncode != 0 and "reward-hacking guard" in proc.stderr, proc.stderr[-3000:]
     run = sorted(p["runs"].glob("*_GRPO_Run*"))[-1]
     assert not (run / "DONE").exists()
@@ -271,6 +271,11 @@ def test_grpo_watch_and_guard_with_the_encoder_judge(encoder_pipeline):
             assert isinstance(step[key], float), (key, step)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["judge"]["backbone"] == "encoder"
+    # beta > 0 from the SFT adapter, static rollouts: the KL anchor is the SFT adapter (TRL's "ref" copy), so
+    # before the first update the policy is exactly its reference (the base would be far from it)
+    kls = [h["kl"] for h in metrics["log_history"] if "kl" in h]
+    assert kls and kls[0] == pytest.approx(0.0, abs=1e-4), kls
+    assert manifest["backends"]["decoder"] == "static"
 
 
 def test_eval_with_the_encoder_judge_reports_lc_win_rate_and_plots(encoder_pipeline):
