@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
-from common import fast, reward_terms
+from common import checkpoint_choice, fast, reward_terms
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
@@ -93,7 +93,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     #    rebuild it; PAR and fluency against the starting policy's greedy replies, made once and kept in
     #    reference_replies.jsonl), plus the watch's statistics at weight 0 (reply length, distinct-2,
     #    premise overlap: TRL logs each one's mean).
-    reward_funcs, reward_weights = reward_terms.build(config, run, policy, tokenizer, list(prompts["prompt"]))
+    reward_funcs, reward_weights, judge = reward_terms.build(config, run, policy, tokenizer, list(prompts["prompt"]))
     run.manifest["judge"] = run.inputs["reward_run"].get("judge")
     run.save_manifest()
 
@@ -104,9 +104,19 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     #    is kept in the run directory, so a resumed run keeps it.
     guard = WatchCallback(config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
     trainer.add_callback(guard)
+    #    With checkpoint_eval_steps, the adapter is kept every N steps (and where it started) to be chosen on dev.
+    if config.checkpoint_eval_steps:
+        if 0 not in checkpoint_choice.saved_steps(run.dir):
+            checkpoint_choice.save_step(policy, run.dir, 0)
+        trainer.add_callback(checkpoint_choice.SaveEvery(config.checkpoint_eval_steps, run.dir, policy))
 
-    # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.
+    # 5. Train (resuming this run's last checkpoint if any), save the policy adapter: the last step's, or
+    #    with checkpoint_eval_steps the saved step the dev judges like best among those still fluent.
     metrics = train(trainer, run)
+    if config.checkpoint_eval_steps and not guard.tripped:
+        if metrics["global_step"] not in checkpoint_choice.saved_steps(run.dir):
+            checkpoint_choice.save_step(policy, run.dir, metrics["global_step"])
+        metrics["checkpoint_choice"] = checkpoint_choice.evaluate(config, run, policy, tokenizer, judge)
     run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)  # graphs not captured: eager steps
     save_adapter(policy, tokenizer, run)
     metrics["per_step"] = watch_per_step(metrics["log_history"], reward_terms.term_names(reward_funcs))

@@ -419,6 +419,16 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     fluency_gate_reward: float = arg(
         0.0, "fluency gate: the whole reward of a stopped reply; 0 is below every reply when the other terms are "
         "positive (par, in (0, 1)); with the raw judge set it below the judge's scores")
+    checkpoint_eval_steps: int = arg(
+        0, "> 0: save the policy adapter every N steps and keep as adapter/ the step the dev_judges like best on the "
+        "pairs run's dev premises among those whose fluency held (common/checkpoint_choice.py); 0: the last step", ge=0)
+    checkpoint_eval_premises: int = arg(32, "checkpoint choice: dev premises each saved step replies to", ge=1)
+    dev_judges: list[str] = arg(
+        help="checkpoint choice: scorer specs of the held-out judges (run:PATH, pkg.module:function, ...; judge = the "
+        "training judge, which the report then flags)", factory=list)
+    fluency_tolerance: float = arg(
+        0.5, "checkpoint choice: a step qualifies when its replies' mean token log-prob is at most this below the "
+        "starting policy's", ge=0)
 
     def check(self):
         if self.sft_run is None and self.pairs_run is None:
@@ -438,6 +448,14 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
             if self.fluency_mode == "gate" and self.reward_weights[self.reward_funcs.index("fluency")] <= 0:
                 raise ConfigError("fluency_mode gate: the fluency entry of reward_weights must be above 0 (the gate "
                                   "term sets a stopped reply's whole reward)", "reward_weights")
+        if self.checkpoint_eval_steps:
+            if not self.dev_judges:
+                raise ConfigError("checkpoint_eval_steps > 0 needs dev_judges (scorer specs of held-out judges)",
+                                  "dev_judges")
+            if not self.fluency_model_name_or_path:
+                raise ConfigError("checkpoint_eval_steps > 0 needs fluency_model_name_or_path (the fluency check)",
+                                  "fluency_model_name_or_path")
+            check_model_path("fluency_model_name_or_path", self.fluency_model_name_or_path)
         if self.max_tokens_per_batch:
             raise ConfigError("max_tokens_per_batch is for SFT, the reward model and DPO; GRPO's micro-batches are "
                               "its sampled completions", "max_tokens_per_batch")

@@ -205,10 +205,10 @@ def reference_replies(config, run, policy, tokenizer, prompts: list[list[dict]])
 
 # --- the whole reward --------------------------------------------------------------------------------
 
-def build(config, run, policy, tokenizer, prompts: list[list[dict]]) -> tuple[list, list[float]]:
+def build(config, run, policy, tokenizer, prompts: list[list[dict]]) -> tuple[list, list[float], object]:
     """Stage 04's reward functions and weights from `reward_funcs` / `reward_weights`: the declared terms
-    in order (a fluency gate moved last), then the watch's statistics at weight 0. Records each term in
-    the manifest's `reward_terms`."""
+    in order (a fluency gate moved last), then the watch's statistics at weight 0; and the training judge.
+    Records each term in the manifest's `reward_terms`."""
     from common.model import resolve_model_path
     from common.rewards import RewardScorer
     specs = list(config.reward_funcs)
@@ -253,7 +253,7 @@ def build(config, run, policy, tokenizer, prompts: list[list[dict]]) -> tuple[li
         weights.append(weight)
         record["fluency_gate"] = {"spec": "fluency", "weight": weight, "threshold": threshold, **fluency.backends}
     run.manifest["reward_terms"] = record
-    return funcs + list(WATCH), weights + [0.0] * len(WATCH)
+    return funcs + list(WATCH), weights + [0.0] * len(WATCH), judge
 
 
 def _unique(name: str, taken: set[str]) -> str:
