@@ -128,7 +128,7 @@ def test_the_checkpoint_choice_follows_the_dev_judges_among_fluent_steps():
     curve = [row(0, 0.1, -3.0), row(10, 0.4, -3.2), row(20, 0.9, -4.0), row(30, 0.6, -3.4), row(40, 0.6, -3.1)]
     assert choose(curve, tolerance=0.5) == 30  # step 20 scores best but lost 1 nat of fluency; 30 ties 40: earlier
     assert choose(curve, tolerance=2.0) == 20
-    assert choose(curve, tolerance=0.1) == 0  # nothing kept the start's fluency but the start
+    assert choose(curve, tolerance=0.05) == 0  # nothing kept the start's fluency but the start
     assert choose([row(0, 0.5, -3.0), row(5, 0.2, -3.0)], tolerance=1.0) == 0  # the dev judges never improved
     assert choose([row(0, 0.5, -3.0), row(5, 0.9, math.nan)], tolerance=1.0) == 0  # unmeasured fluency never qualifies
 
