@@ -39,8 +39,10 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_step(policy, run_dir: Path, step: int) -> None:
-    """The policy adapter alone (not TRL's "ref" copy of the starting one)."""
-    policy.save_pretrained(step_dir(run_dir, step), selected_adapters=["default"])
+    """The policy adapter alone (not TRL's "ref" copy of the starting one); one writer in a launch."""
+    from common.runs import is_main_process
+    if is_main_process():
+        policy.save_pretrained(step_dir(run_dir, step), selected_adapters=["default"])
 
 
 class SaveEvery(TrainerCallback):

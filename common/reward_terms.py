@@ -181,7 +181,10 @@ def reference_replies(config, run, policy, tokenizer, prompts: list[list[dict]])
     from common import provenance
     path = run.dir / REFERENCE_REPLIES
     recorded = run.manifest.get("reference_replies_sha256")
-    if recorded and path.is_file():
+    if recorded and not path.is_file():
+        raise RunError(f"{path} is gone: the run wrote it (reference_replies_sha256 in the manifest) and PAR and the "
+                       f"fluency term measure against it; start a new run")
+    if recorded:
         if provenance.sha256_file(path) != recorded:
             raise RunError(f"{path} changed since the run wrote it (sha256 differs from the manifest's "
                            f"reference_replies_sha256): PAR and the fluency term would measure against other "
@@ -196,9 +199,10 @@ def reference_replies(config, run, policy, tokenizer, prompts: list[list[dict]])
                                temperature=0.0, weights=config.rollout_weights,
                                static=config.fast_paths and config.rollout_backend == "static")
     policy.train()
-    write_jsonl(path, [{"prompt": p, "reply": r} for p, r in zip(prompts, replies)])
-    run.manifest["reference_replies_sha256"] = provenance.sha256_file(path)
-    run.save_manifest()
+    if getattr(run, "is_main", True):  # every process of a launch generates the same greedy replies; one writes
+        write_jsonl(path, [{"prompt": p, "reply": r} for p, r in zip(prompts, replies)])
+        run.manifest["reference_replies_sha256"] = provenance.sha256_file(path)
+        run.save_manifest()
     log.info("reference replies: the starting policy's greedy reply to %d premises -> %s", len(replies), path)
     return {json.dumps(p): r for p, r in zip(prompts, replies)}
 

@@ -117,6 +117,9 @@ def test_a_resumed_run_refuses_changed_reference_replies(tmp_path):
     path.write_text(path.read_text().replace("x y", "x w"))
     with pytest.raises(RunError, match="changed since the run wrote it"):
         reference_replies(None, run, None, None, prompts)
+    path.unlink()
+    with pytest.raises(RunError, match="is gone"):
+        reference_replies(None, run, None, None, prompts)
     # the fluency penalty: nothing above the reference's level, the shortfall below it, nothing for nan
     penalty = FluencyPenalty(FunctionScorer(lambda p, r, **_: [-1.0, -4.5, math.nan], "lp"), reference_lp=-2.0)
     assert penalty.score(prompts + prompts[:1], ["a", "b", "c"]) == [0.0, -2.5, 0.0]
