@@ -438,6 +438,11 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         if not self.reward_funcs or len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"field 'reward_weights' needs one weight per reward_funcs entry: {len(self.reward_funcs)}"
                               f" reward_funcs, {len(self.reward_weights)} reward_weights", "reward_weights")
+        for field, words in (("reward_funcs", ("judge", "par", "fluency")), ("dev_judges", ("judge",))):
+            for spec in getattr(self, field):
+                if spec not in words and ":" not in spec and not Path(spec).is_dir():
+                    raise ConfigError(f"field '{field}': {shown(spec)} is none of {', '.join(words)}, a KIND:ARG or "
+                                      f"pkg.module:function scorer spec, or a run directory", field)
         if len(set(self.reward_funcs)) != len(self.reward_funcs):
             raise ConfigError(f"field 'reward_funcs' names a term twice: {shown(self.reward_funcs)}", "reward_funcs")
         if "fluency" in self.reward_funcs:

@@ -61,6 +61,10 @@ def test_reward_weights_must_match_reward_funcs():
     with pytest.raises(ConfigError, match="reward_weights") as err:
         GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["judge", "par"], reward_weights=[1.0])
     assert err.value.field == "reward_weights"
+    with pytest.raises(ConfigError, match="'reward_funcs': 'judeg' is none of"):
+        GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["judeg"], reward_weights=[1.0])
+    with pytest.raises(ConfigError, match="dev_judges"):
+        GRPOStageConfig(pairs_run="p", reward_run="r", checkpoint_eval_steps=2, fluency_model_name_or_path="m")
     with pytest.raises(ConfigError, match="fluency_model_name_or_path"):
         GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["fluency"], reward_weights=[1.0])
 
