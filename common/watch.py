@@ -94,7 +94,7 @@ class WatchCallback(TrainerCallback):
         self.reference: float | None = None
         self._firsts: list[float] = []
         self.tripped: str | None = None
-        self._breaches = 0
+        self._breaches, self._writes = 0, True
         if self.state_path and self.state_path.is_file():  # a resumed run: the reference of its first batches
             self.reference = json.loads(self.state_path.read_text())["reference_words"]
 
@@ -104,6 +104,8 @@ class WatchCallback(TrainerCallback):
             return control
         step = state.global_step if state is not None else len(self.history) + 1
         self.history.append({"step": step, "reply_words": words})
+        # TRL's logged means are gathered over the processes of a launch: each one trips alike, one writes
+        self._writes = state is None or state.is_world_process_zero
         self._check(words, step)
         if self.tripped:
             control.should_training_stop = True
@@ -116,7 +118,7 @@ class WatchCallback(TrainerCallback):
             self._firsts.append(words)
             if len(self._firsts) == self.reference_batches:
                 self.reference = sum(self._firsts) / len(self._firsts)
-                if self.state_path:
+                if self.state_path and self._writes:
                     write_json(self.state_path, {"reference_words": self.reference, "batches": self.reference_batches,
                                                  "step": step})
             return
