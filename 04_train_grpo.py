@@ -5,11 +5,12 @@
 
 Starts from the SFT adapter (trained further; the 4-bit base stays frozen), or, with --pairs_run and
 no --sft_run, from a fresh adapter on the base (the manifest's `started_from` says which). For each premise the
-policy writes `num_generations` replies; the reward run's judge scores them, and GRPO pushes up the
-replies that beat their group's mean. A reward-hacking watch logs, every step, the mean reward, mean
-reply length (tokens and words), distinct-2 and overlap with the premise to metrics.json `per_step`
-(and W&B); its guard stops the run, unfinished and with a message, when reply length drifts past
-`guard_max_length_ratio`. Writes the adapter (adapter/).
+policy writes `num_generations` replies; the reward terms (`reward_funcs` x `reward_weights`: by default
+the reward run's judge alone; PAR, fluency or any scorer: common/reward_terms.py) score them, and GRPO
+pushes up the replies that beat their group's mean. A reward-hacking watch logs, every step, the mean
+reward and each term's, mean reply length (tokens and words), distinct-2 and overlap with the premise
+to metrics.json `per_step` (and W&B); its guard stops the run, unfinished and with a message, when
+reply length drifts past `guard_max_length_ratio`. Writes the adapter (adapter/).
 """
 from __future__ import annotations
 
@@ -21,15 +22,14 @@ from datasets import Dataset
 from transformers import set_seed
 from trl import GRPOConfig, GRPOTrainer
 
-from common import fast
+from common import checkpoint_choice, fast, reward_terms
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
-from common.judges import load_judge
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.runs import Run
 from common.training import save_adapter, train, trainer_args
-from common.watch import WatchedReward, watch_per_step
+from common.watch import WatchCallback, watch_per_step
 
 log = logging.getLogger("pipeline")
 
@@ -40,18 +40,20 @@ def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Datase
     return Dataset.from_list([{"prompt": fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens)} for r in rows])
 
 
-def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenizer) -> GRPOTrainer:
+def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, tokenizer,
+                  reward_weights: list[float] | None = None) -> GRPOTrainer:
     run.manifest["memory_plan"] = fast.fit_memory(config, policy)  # memory_levers fit: what this GPU needs
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
                         temperature=config.temperature, beta=config.beta, scale_rewards=config.scale_rewards,
-                        log_completions=False)
+                        log_completions=False, reward_weights=reward_weights)
+    reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     rollout = None
     if config.rollout_backend == "static" and fast.supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental: common/trl_compat.py
         rollout = fast.grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
                                     config.rollout_weights)
-    trainer = GRPOTrainer(model=policy, reward_funcs=judge, args=args, train_dataset=prompts,
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
     run.manifest["patches"] = fast.apply(trainer, config)
     # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
@@ -59,15 +61,15 @@ def build_trainer(config: GRPOStageConfig, run, policy, judge, prompts, tokenize
     decoder = {"decoder": "static", "decoder_weights": fast.weights_backend(policy, config.rollout_weights)} \
         if rollout else {"decoder": "trl_generate"}
     run.manifest["backends"] = fast.backends(config, run.manifest["patches"], **decoder,
-                                             judge_scoring=judge_scoring(judge))
+                                             judge_scoring=judge_scoring(reward_funcs))
     return trainer
 
 
-def judge_scoring(judge) -> str:
+def judge_scoring(reward_funcs) -> str:
     """How the judge scores the replies: packed (the replies to a premise sharing it) or padded rows;
-    a plain reward function is recorded as such."""
-    scorer = getattr(judge, "scorer", None)
-    return "reward function" if scorer is None else scorer.scoring
+    plain reward functions are recorded as such."""
+    judges = reward_terms.learned_judges(reward_funcs)
+    return judges[0].scoring if judges else "reward function"
 
 
 def main(config: GRPOStageConfig, overrides: dict) -> None:
@@ -87,28 +89,40 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     # 3. Models: the policy continues the SFT adapter (or starts a fresh one on the base); the judge is frozen.
     policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter" if config.sft_run else None,
                         trainable=True)
-    #    The judge is the reward run's own (its config and `judge` fingerprint), watched: reply
-    #    length, distinct-2 and premise overlap of every batch go to the log (watch/...); the length
-    #    guard's reference is kept in the run directory, so a resumed run keeps it.
-    scorer = load_judge(config.reward_run, batch_size=config.reward_batch_size, packed=config.fast_paths)
-    judge = WatchedReward(scorer,
-                          config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
+    #    The reward: the declared terms (the reward run's judge, as its config and `judge` fingerprint
+    #    rebuild it; PAR and fluency against the starting policy's greedy replies, made once and kept in
+    #    reference_replies.jsonl), plus the watch's statistics at weight 0 (reply length, distinct-2,
+    #    premise overlap: TRL logs each one's mean).
+    reward_funcs, reward_weights, judge = reward_terms.build(config, run, policy, tokenizer, list(prompts["prompt"]))
     run.manifest["judge"] = run.inputs["reward_run"].get("judge")
     run.save_manifest()
 
     # 4. GRPO (beta=0: no reference model; DAPO loss, group-scaled rewards: TRL's defaults; beta > 0:
     #    TRL's KL to where the policy started, a frozen copy of the SFT adapter or the base).
-    trainer = build_trainer(config, run, policy, judge, prompts, tokenizer)
-    trainer.add_callback(judge.stop_callback())  # the length guard stops training at a step's end
+    trainer = build_trainer(config, run, policy, reward_funcs, prompts, tokenizer, reward_weights)
+    #    The length guard reads the logged reply length and stops training at a step's end; its reference
+    #    is kept in the run directory, so a resumed run keeps it.
+    guard = WatchCallback(config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
+    trainer.add_callback(guard)
+    #    With checkpoint_eval_steps, the adapter is kept every N steps (and where it started) to be chosen on dev.
+    if config.checkpoint_eval_steps:
+        if 0 not in checkpoint_choice.saved_steps(run.dir):
+            checkpoint_choice.save_step(policy, run.dir, 0)
+        trainer.add_callback(checkpoint_choice.SaveEvery(config.checkpoint_eval_steps, run.dir, policy))
 
-    # 5. Train (resuming this run's last checkpoint if any), save the policy adapter.
+    # 5. Train (resuming this run's last checkpoint if any), save the policy adapter: the last step's, or
+    #    with checkpoint_eval_steps the saved step the dev judges like best among those still fluent.
     metrics = train(trainer, run)
+    if config.checkpoint_eval_steps and not guard.tripped:
+        if metrics["global_step"] not in checkpoint_choice.saved_steps(run.dir):
+            checkpoint_choice.save_step(policy, run.dir, metrics["global_step"])
+        metrics["checkpoint_choice"] = checkpoint_choice.evaluate(config, run, policy, tokenizer, judge)
     run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)  # graphs not captured: eager steps
     save_adapter(policy, tokenizer, run)
-    metrics["per_step"] = watch_per_step(metrics["log_history"])
+    metrics["per_step"] = watch_per_step(metrics["log_history"], reward_terms.term_names(reward_funcs))
     metrics["n_prompts"] = len(prompts)
-    if judge.tripped:  # unfinished on purpose (no DONE): stage 05 must not take this policy
-        run.fail({**metrics, "stopped_by_guard": judge.tripped}, judge.tripped)
+    if guard.tripped:  # unfinished on purpose (no DONE): stage 05 must not take this policy
+        run.fail({**metrics, "stopped_by_guard": guard.tripped}, guard.tripped)
     tied = [e["frac_reward_zero_std"] for e in metrics["log_history"] if "frac_reward_zero_std" in e]
     if tied and min(tied) == 1.0:  # every advantage was zero: the adapter is the one it started from
         run.fail(metrics, "every group of replies got equal rewards at every step, so GRPO's advantages were all "

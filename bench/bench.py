@@ -839,8 +839,8 @@ class Bench:
     def grpo(self, ours, steps, name=None, judge_in_one_row=True, **over):
         from common.fast import decode_step, model_changes
         from common.model import unwrap_peft
+        from common.reward_terms import WATCH, Term
         from common.rewards import RewardScorer
-        from common.watch import WatchedReward
         over = over if ours else {"rollout_backend": "hf", "gradient_accumulation_steps": 1}
         cfg = self.config(GRPOStageConfig, "04_train_grpo.yaml", max_steps=steps,
                           max_prompt_tokens=self.max_prompt, **over,
@@ -859,8 +859,8 @@ class Bench:
         self.plain_judge()
         self.judge_model.eval()
         # as stage 04 gives it (the watch's statistics included); no guard: a random model's lengths are flat
-        judge = WatchedReward(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
-                                           cfg.reward_batch_size))
+        judge = [Term(RewardScorer(self.judge_model, self.tokenizer, self.max_prompt, self.max_length,
+                                   cfg.reward_batch_size), "judge"), *WATCH]
         one_row = model_changes.judges_in_one_row
         if not judge_in_one_row:
             model_changes.judges_in_one_row = lambda trainer: False
@@ -891,14 +891,14 @@ class Bench:
             return out
         trainer._generate = timed_generate
         gen._capture = timed_capture
-        score = judge.scorer.score
+        score = judge[0].scorer.score
 
         def timed_score(*a, **k):
             t = time.perf_counter()
             out = score(*a, **k)
             timing["reward_s"].append(time.perf_counter() - t)
             return out
-        judge.scorer.score = timed_score
+        judge[0].scorer.score = timed_score
         clock = StepClock()
         trainer.add_callback(clock)
         if PROFILE_DIR is not None:
@@ -948,7 +948,7 @@ class Bench:
                      "seconds_per_step_parts": step_parts(secs, timing), "patches": built.manifest.get("patches"),
                      "memory_plan": built.manifest.get("memory_plan"),
                      "peak_gib": peak_gib(trained)})
-        judge.score = score
+        judge[0].scorer.score = score
         gen._capture = capture
         del trainer
 

@@ -140,9 +140,9 @@ def measure_grpo(args, world: int, rank: int) -> dict:
     from common.config import GRPOStageConfig
     from common.data import fit_prompt
     from common.model import CAUSAL_LM, SEQ_CLS, load_model, load_tokenizer
+    from common.reward_terms import WATCH, Term
     from common.rewards import RewardScorer
     from common.training import train
-    from common.watch import WatchedReward
 
     values = yaml.safe_load((REPO / "configs/llama3-8b/04_train_grpo.yaml").read_text())
     values.update(model_name_or_path=args.model, sft_run="unused", reward_run="unused", max_steps=args.steps,
@@ -163,7 +163,8 @@ def measure_grpo(args, world: int, rank: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     policy = load_model(config, CAUSAL_LM, tokenizer=tokenizer)
     judge_model = load_model(config, SEQ_CLS, tokenizer=tokenizer, trainable=False)
-    judge = WatchedReward(RewardScorer(judge_model, tokenizer, config.max_prompt_tokens, 768, config.reward_batch_size))
+    judge = [Term(RewardScorer(judge_model, tokenizer, config.max_prompt_tokens, 768, config.reward_batch_size), "judge"),
+             *WATCH]
     spec = importlib.util.spec_from_file_location("grpo_stage", REPO / "04_train_grpo.py")
     stage = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stage)

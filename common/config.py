@@ -447,7 +447,8 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     guard_max_length_ratio: float | None = arg(
         2.0, "reward-hacking guard: stop when the mean reply length (words) of guard_patience batches in a "
         "row leaves [ref / ratio, ref * ratio], ref = the run's first batch; null turns it off", gt=1)
-    guard_patience: int = arg(2, "batches in a row outside the guard's band before it stops the run", ge=1)
+    guard_patience: int = arg(2, "logged steps in a row outside the guard's band before it stops the run (it reads "
+                              "the logged mean reply length: logging_steps 1 checks every step)", ge=1)
     group_in_one_sequence: bool = arg(True, "each premise with its replies as one sequence in the update, the "
                                       "premise computed once; same log-probs and loss as TRL's one row per reply")
     rollout_backend: Literal["static", "hf"] = arg(
@@ -459,12 +460,66 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
         "sampling and training stay one policy without dequantising every weight each token "
         "(common/fast/decode_step.py)")
+    reward_funcs: list[str] = arg(
+        help="GRPO's reward terms, summed with reward_weights (TRL's reward_funcs; each logged as rewards/<name>/mean "
+        "and in metrics.json per_step): judge (the --reward_run's raw score), par (sigmoid of the judge's score minus "
+        "its score of the starting policy's greedy reply to the same premise), fluency (fluency_mode), or any scorer "
+        "spec: run:PATH, fluency:PATH, pkg.module:function (common/reward_terms.py)", factory=lambda: ["judge"])
+    reward_weights: list[float] = arg(help="one weight per reward_funcs entry", factory=lambda: [1.0])
+    fluency_model_name_or_path: str | None = arg(
+        None, "reward term fluency: the frozen causal LM (best of another family than the policy) whose mean token "
+        "log-prob of a reply measures its fluency")
+    fluency_mode: Literal["penalty", "gate"] = arg(
+        "penalty", "reward term fluency: penalty = min(0, log-prob - the starting policy's replies' mean log-prob), "
+        "times its weight; gate = a reply under fluency_threshold gets fluency_gate_reward as its whole reward")
+    fluency_threshold: float | None = arg(
+        None, "fluency gate: the mean token log-prob under which a reply is stopped; null: the starting policy's "
+        "replies' mean minus 1 (e times their perplexity)")
+    fluency_gate_reward: float = arg(
+        0.0, "fluency gate: the whole reward of a stopped reply; 0 is below every reply when the other terms are "
+        "positive (par, in (0, 1)); with the raw judge set it below the judge's scores")
+    checkpoint_eval_steps: int = arg(
+        0, "> 0: save the policy adapter every N steps and keep as adapter/ the step the dev_judges like best on the "
+        "pairs run's dev premises among those whose fluency held (common/checkpoint_choice.py); 0: the last step", ge=0)
+    checkpoint_eval_premises: int = arg(32, "checkpoint choice: dev premises each saved step replies to", ge=1)
+    dev_judges: list[str] = arg(
+        help="checkpoint choice: scorer specs of the held-out judges (run:PATH, pkg.module:function, ...; judge = the "
+        "training judge, which the report then flags)", factory=list)
+    fluency_tolerance: float = arg(
+        0.5, "checkpoint choice: a step qualifies when its replies' mean token log-prob is at most this below the "
+        "starting policy's", ge=0)
 
     def check(self):
         if self.sft_run is None and self.pairs_run is None:
             raise ConfigError("--sft_run (practise from the SFT adapter) or --pairs_run (from the base) is required",
                               "sft_run")
         require(self, "reward_run")
+        if not self.reward_funcs or len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"field 'reward_weights' needs one weight per reward_funcs entry: {len(self.reward_funcs)}"
+                              f" reward_funcs, {len(self.reward_weights)} reward_weights", "reward_weights")
+        for field, words in (("reward_funcs", ("judge", "par", "fluency")), ("dev_judges", ("judge",))):
+            for spec in getattr(self, field):
+                if spec not in words and ":" not in spec and not Path(spec).is_dir():
+                    raise ConfigError(f"field '{field}': {shown(spec)} is none of {', '.join(words)}, a KIND:ARG or "
+                                      f"pkg.module:function scorer spec, or a run directory", field)
+        if len(set(self.reward_funcs)) != len(self.reward_funcs):
+            raise ConfigError(f"field 'reward_funcs' names a term twice: {shown(self.reward_funcs)}", "reward_funcs")
+        if "fluency" in self.reward_funcs:
+            if not self.fluency_model_name_or_path:
+                raise ConfigError("reward_funcs has fluency: give fluency_model_name_or_path (a causal LM)",
+                                  "fluency_model_name_or_path")
+            check_model_path("fluency_model_name_or_path", self.fluency_model_name_or_path)
+            if self.fluency_mode == "gate" and self.reward_weights[self.reward_funcs.index("fluency")] <= 0:
+                raise ConfigError("fluency_mode gate: the fluency entry of reward_weights must be above 0 (the gate "
+                                  "term sets a stopped reply's whole reward)", "reward_weights")
+        if self.checkpoint_eval_steps:
+            if not self.dev_judges:
+                raise ConfigError("checkpoint_eval_steps > 0 needs dev_judges (scorer specs of held-out judges)",
+                                  "dev_judges")
+            if not self.fluency_model_name_or_path:
+                raise ConfigError("checkpoint_eval_steps > 0 needs fluency_model_name_or_path (the fluency check)",
+                                  "fluency_model_name_or_path")
+            check_model_path("fluency_model_name_or_path", self.fluency_model_name_or_path)
         if self.max_tokens_per_batch:
             raise ConfigError("max_tokens_per_batch is for SFT, the reward model and DPO; GRPO's micro-batches are "
                               "its sampled completions", "max_tokens_per_batch")

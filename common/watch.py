@@ -1,11 +1,12 @@
 """The reward-hacking watch of stage 04: what every batch of GRPO replies looks like, and a guard
 that stops the run when reply length drifts (how a length-biased judge gets gamed).
 
-`WatchedReward` is GRPO's reward function: the judge's scores, plus, for every batch, the mean
-reply length (words), distinct-2 over the batch and the overlap with the premise (share of the
-reply's word 3-grams found in it), logged through TRL's `log_metric` (so they land in the trainer's
-log history and W&B as `watch/...`). The guard's reference length (the mean of the run's first
-batches) is kept in the run directory, so a resumed or requeued run keeps the same reference.
+For every batch, the mean reply length (words), distinct-2 over the batch and the overlap with the
+premise (share of the reply's word 3-grams found in it) are zero-weight reward functions
+(common/reward_terms.py): TRL logs their means (rewards/watch_<stat>/mean, in the trainer's log
+history and W&B) and they move no advantage. `WatchCallback` reads those logs and keeps the length
+guard; its reference length (the mean of the run's first batches) is kept in the run directory, so a
+resumed or requeued run keeps the same reference.
 """
 from __future__ import annotations
 
@@ -92,44 +93,44 @@ def hacking_stats(premises: list[str], replies: list[str]) -> dict:
             if replies else 0.0}
 
 
-class WatchedReward:
-    """GRPO's reward function: `scorer`'s scores, watched. The guard trips when the mean reply length
-    leaves [reference / max_length_ratio, reference * max_length_ratio] for `patience` batches in a
-    row, where reference is the mean over the run's first `reference_batches` batches (kept in
-    `state_path`); the callback from `stop_callback()` then stops training at the end of that step.
-    max_length_ratio None disables the guard."""
-    __name__ = "reward_model"  # GRPOTrainer names the reward's log column after it
+WATCH_LOG = "rewards/watch_{}/mean"  # TRL's log column of the watch's zero-weight reward functions
 
-    def __init__(self, scorer, max_length_ratio: float | None = None, patience: int = 1,
-                 reference_batches: int = 1, state_path: Path | None = None):
+
+class WatchCallback(TrainerCallback):
+    """The length guard, reading TRL's logs (common/reward_terms.py logs the watch's statistics as
+    zero-weight reward functions). It trips when the mean reply length leaves
+    [reference / max_length_ratio, reference * max_length_ratio] for `patience` logged steps in a row,
+    reference = the mean of the run's first `reference_batches` logged steps (kept in `state_path`, so a
+    resumed run keeps it), and stops training there (`control.should_training_stop`). max_length_ratio
+    None disables the guard; the statistics are logged all the same."""
+
+    def __init__(self, max_length_ratio: float | None = None, patience: int = 1, reference_batches: int = 1,
+                 state_path: Path | None = None):
         if max_length_ratio is not None and max_length_ratio <= 1:
             raise ValueError(f"max_length_ratio must be > 1 (or None to disable the guard), got {max_length_ratio}")
-        self.scorer, self.max_length_ratio = scorer, max_length_ratio
+        self.max_length_ratio = max_length_ratio
         self.patience, self.reference_batches = max(1, patience), max(1, reference_batches)
         self.state_path = Path(state_path) if state_path else None
         self.history: list[dict] = []
         self.reference: float | None = None
         self._firsts: list[float] = []
         self.tripped: str | None = None
-        self._breaches = 0
+        self._breaches, self._writes = 0, True
         if self.state_path and self.state_path.is_file():  # a resumed run: the reference of its first batches
             self.reference = json.loads(self.state_path.read_text())["reference_words"]
 
-    def __call__(self, prompts, completions, log_metric=None, trainer_state=None, **kwargs) -> list[float]:
-        replies = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        premises = [p[-1]["content"] if isinstance(p, list) else p for p in prompts]
-        stats = hacking_stats(premises, replies)
-        scores = self.scorer.score(prompts, replies)
-        stats["reward_mean"] = sum(scores) / len(scores) if scores else float("nan")
-        # the optimiser step these completions train (the trainer's counter has not moved yet)
-        step = trainer_state.global_step + 1 if trainer_state is not None else len(self.history) + 1
-        self.history.append({"step": step, **stats})
-        if log_metric is not None:
-            for key, value in stats.items():
-                if key != "reward_mean":
-                    log_metric(f"watch/{key}", value)
-        self._check(stats["reply_words"], step)
-        return scores
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        words = (logs or {}).get(WATCH_LOG.format("reply_words"))
+        if words is None:
+            return control
+        step = state.global_step if state is not None else len(self.history) + 1
+        self.history.append({"step": step, "reply_words": words})
+        # TRL's logged means are gathered over the processes of a launch: each one trips alike, one writes
+        self._writes = state is None or state.is_world_process_zero
+        self._check(words, step)
+        if self.tripped:
+            control.should_training_stop = True
+        return control
 
     def _check(self, words: float, step: int) -> None:
         if self.max_length_ratio is None or self.tripped:
@@ -138,7 +139,7 @@ class WatchedReward:
             self._firsts.append(words)
             if len(self._firsts) == self.reference_batches:
                 self.reference = sum(self._firsts) / len(self._firsts)
-                if self.state_path:
+                if self.state_path and self._writes:
                     write_json(self.state_path, {"reference_words": self.reference, "batches": self.reference_batches,
                                                  "step": step})
             return
@@ -156,22 +157,14 @@ class WatchedReward:
                 f"gets gamed. Training stopped; see metrics.json per_step and judge_audit.json of the reward run.")
             log.error(self.tripped)
 
-    def stop_callback(self) -> TrainerCallback:
-        watch = self
 
-        class _StopOnGuard(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if watch.tripped:
-                    control.should_training_stop = True
-                return control
-
-        return _StopOnGuard()
-
-
-def watch_per_step(log_history: list[dict]) -> list[dict]:
-    """Stage 04's per-step record from the trainer's log: reward, reply length, and the watch."""
+def watch_per_step(log_history: list[dict], terms: list[str] = ()) -> list[dict]:
+    """Stage 04's per-step record from the trainer's log: the reward, reply length, the watch, and each
+    reward term's mean (`reward/<name>`, TRL's rewards/<name>/mean)."""
     return [{"step": h["step"], "reward_mean": h.get("reward"),
              "reply_length_mean": h.get("completions/mean_length"),  # tokens, as TRL counts them
-             "reply_words_mean": h.get("watch/reply_words"), "distinct_2": h.get("watch/distinct_2"),
-             "premise_overlap": h.get("watch/premise_overlap")}
+             "reply_words_mean": h.get(WATCH_LOG.format("reply_words")),
+             "distinct_2": h.get(WATCH_LOG.format("distinct_2")),
+             "premise_overlap": h.get(WATCH_LOG.format("premise_overlap")),
+             **{f"reward/{name}": h.get(f"rewards/{name}/mean") for name in terms}}
             for h in log_history if "reward" in h]

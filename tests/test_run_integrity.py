@@ -23,7 +23,7 @@ from common.config import (
 )
 from common.runs import Run, RunError, create_run_dir
 from common.training import last_checkpoint
-from common.watch import WatchedReward
+from common.watch import WatchCallback
 
 SFT_YAML = "configs/tiny/02_train_sft.yaml"
 
@@ -264,18 +264,13 @@ def test_a_torn_trainer_state_falls_back_to_the_previous_checkpoint(tmp_path):
     assert last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
 
 
-class _Scorer:
-    def score(self, prompts, replies):
-        return [0.0] * len(replies)
-
-
 def test_the_length_guard_keeps_its_reference_across_a_restart(tmp_path):
+    from transformers import TrainerControl
     state = tmp_path / "guard.json"
-    first = WatchedReward(_Scorer(), max_length_ratio=2.0, patience=2, state_path=state)
-    first(["p"] * 2, ["one two three four five six seven eight nine ten"] * 2)  # the run's first batch: 10 words
+    first = WatchCallback(max_length_ratio=2.0, patience=2, state_path=state)
+    first.on_log(None, None, TrainerControl(), logs={"rewards/watch_reply_words/mean": 10.0})  # the first batch
     assert json.loads(state.read_text())["reference_words"] == 10
-    restarted = WatchedReward(_Scorer(), max_length_ratio=2.0, patience=2, state_path=state)
-    long_reply = " ".join(["word"] * 50)
+    restarted = WatchCallback(max_length_ratio=2.0, patience=2, state_path=state)
     for _ in range(2):
-        restarted(["p"] * 2, [long_reply] * 2)
+        restarted.on_log(None, None, TrainerControl(), logs={"rewards/watch_reply_words/mean": 50.0})
     assert restarted.tripped and "averaged 10.0 words" in restarted.tripped

@@ -124,9 +124,9 @@ def judges_in_one_row(trainer) -> bool:
     end in one row (`RewardScorer._packed`) instead of one padded row per premise under a dense SDPA mask,
     whose masked kernel is slow (docs/performance.md). Same scores (tests/test_judge.py)."""
     changed = False
-    for judge in getattr(trainer, "reward_funcs", []):
-        scorer = getattr(judge, "scorer", None)  # WatchedReward wraps a RewardScorer
-        if scorer is not None and scorer.packed:
+    from common.reward_terms import learned_judges
+    for scorer in learned_judges(getattr(trainer, "reward_funcs", [])):  # the judges behind the reward terms
+        if scorer.packed:
             classifier = unwrap_peft(scorer.model)
             if trl_compat.attn_implementation(classifier) != "flex_attention":
                 classifier.set_attn_implementation("flex_attention")
@@ -163,7 +163,9 @@ def apply_liger_kernels(trainer) -> bool:
         return False
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.llama import modeling_llama  # apply_rotary_pos_emb replaced: common/trl_compat.py
-    judges = [getattr(f, "scorer", f) for f in getattr(trainer, "reward_funcs", [])]  # WatchedReward wraps one
+
+    from common.reward_terms import learned_judges
+    judges = learned_judges(getattr(trainer, "reward_funcs", []))  # the judges behind the reward terms
     models = [trainer.model] + [getattr(j, "model", None) for j in judges]
     for model in models:
         if model is not None and model not in _LIGER_MODELS:

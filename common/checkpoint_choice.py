@@ -1,0 +1,146 @@
+"""GRPO's final adapter chosen on held-out premises (stage 04's `checkpoint_eval_steps`).
+
+The training judge's reward keeps rising while a policy games it; the step to keep is the one other
+judges like best on premises it never practised on, provided its replies are still prose. Every
+`checkpoint_eval_steps` steps the policy adapter is saved (steps/step-N, and step-0: where it
+started); at the end each saved step writes greedy replies to the pairs run's dev premises, `dev_judges`
+score them and the fluency scorer measures them, and the rule (`choose`) picks:
+
+    the highest mean held-out judge score among the steps whose mean fluency (token log-prob) is at
+    most `fluency_tolerance` below the start's; the start itself always qualifies, so a run whose every
+    step lost fluency keeps the policy it started from. Ties go to the earlier step.
+
+The curve goes to metrics.json `checkpoint_choice` and checkpoints.png; a warning when every dev judge
+is of the training judge's family (config.json `model_type`): such judges tend to share its blind spots.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+log = logging.getLogger("pipeline")
+
+STEPS_DIR = "steps"
+
+
+def choose(curve: list[dict], tolerance: float) -> int:
+    """The chosen step of a curve of {"step", "judge_mean", "fluency"} rows (the start, step 0, first)."""
+    start = curve[0]["fluency"]
+    eligible = [c for c in curve if c is curve[0] or (not math.isnan(c["fluency"]) and
+                                                    (math.isnan(start) or c["fluency"] >= start - tolerance))]
+    return max(eligible, key=lambda c: (c["judge_mean"], -c["step"]))["step"]
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / STEPS_DIR / f"step-{step}"
+
+
+def save_step(policy, run_dir: Path, step: int) -> None:
+    """The policy adapter alone (not TRL's "ref" copy of the starting one); one writer in a launch."""
+    from common.runs import is_main_process
+    if is_main_process():
+        policy.save_pretrained(step_dir(run_dir, step), selected_adapters=["default"])
+
+
+class SaveEvery(TrainerCallback):
+    """Saves the policy adapter every `every` optimiser steps into steps/step-N."""
+
+    def __init__(self, every: int, run_dir: Path, policy):
+        self.every, self.run_dir, self.policy = every, run_dir, policy
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and state.global_step % self.every == 0:
+            save_step(self.policy, self.run_dir, state.global_step)
+        return control
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    folder = Path(run_dir) / STEPS_DIR
+    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")) if folder.is_dir() else []
+
+
+def family(scorer) -> str | None:
+    """A scorer's backbone family: its model's config.json model_type (None for a plain function)."""
+    from common.model import unwrap_peft
+    model = getattr(scorer, "model", None)
+    config = getattr(unwrap_peft(model), "config", None) if model is not None else None
+    return getattr(config, "model_type", None)
+
+
+def load_step(policy, run_dir: Path, step: int) -> None:
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    set_peft_model_state_dict(policy, load_peft_weights(str(step_dir(run_dir, step))), adapter_name="default")
+
+
+def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
+    """Each saved step's dev replies scored; the chosen step's weights loaded into `policy` (the caller
+    saves it as adapter/). Returns metrics.json's `checkpoint_choice`."""
+    from common.data import fit_prompt, load_split, one_per_group
+    from common.fluency import FluencyScorer
+    from common.generation import generate_replies
+    from common.model import resolve_model_path
+    from common.scorers import load_scorer
+    rows = one_per_group(load_split(run.pairs_run, "dev"))[: config.checkpoint_eval_premises]
+    prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in rows]
+    judges = [training_judge if spec == "judge" else
+              load_scorer(spec, batch_size=config.reward_batch_size, packed=config.fast_paths)
+              for spec in config.dev_judges]
+    fluency = FluencyScorer(resolve_model_path(config.fluency_model_name_or_path),
+                            batch_size=config.reward_batch_size, max_tokens=config.max_completion_length)
+    curve = []
+    for step in saved_steps(run.dir):
+        load_step(policy, run.dir, step)
+        replies = generate_replies(policy, tokenizer, prompts, config.max_completion_length,
+                                   config.rollout_batch_size, temperature=0.0, weights=config.rollout_weights,
+                                   static=config.fast_paths and config.rollout_backend == "static")
+        by_judge = {f"{j.name}" if j is not training_judge else "judge": _mean(j.score(prompts, replies))
+                    for j in judges}
+        curve.append({"step": step, "judges": by_judge, "judge_mean": _mean(list(by_judge.values())),
+                      "fluency": _mean(fluency.score(prompts, replies))})
+        log.info("checkpoint step %d on %d dev premises: judges %s, fluency %.3f", step, len(prompts), by_judge,
+                 curve[-1]["fluency"])
+    chosen = choose(curve, config.fluency_tolerance)
+    load_step(policy, run.dir, chosen)
+    policy.train()
+    trained = family(training_judge)
+    families = [family(j) for j in judges]
+    warning = (f"every dev judge is of the training judge's family ({trained}): they may share its blind spots"
+               if trained and all(f == trained for f in families) else None)
+    if warning:
+        log.warning("checkpoint choice: %s", warning)
+    plot = plot_curve(run.dir, curve, chosen)
+    return {"chosen_step": chosen, "premises": len(prompts), "dev_judges": list(config.dev_judges),
+            "dev_judge_families": families, "training_judge_family": trained, "warning": warning,
+            "fluency_model": config.fluency_model_name_or_path, "fluency_tolerance": config.fluency_tolerance,
+            "rule": "highest mean dev-judge score among steps whose fluency is at most fluency_tolerance below "
+                    "the start's (step 0); ties to the earlier step", "curve": curve, "plot": plot.name}
+
+
+def _mean(values) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def plot_curve(out_dir: Path, curve: list[dict], chosen: int) -> Path:
+    """checkpoints.png: the dev judges' mean score and the fluency per saved step, the chosen one marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [c["step"] for c in curve]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    for ax, key, title in ((axes[0], "judge_mean", "dev judges' mean score"),
+                           (axes[1], "fluency", "fluency (mean token log-prob)")):
+        ax.plot(steps, [c[key] for c in curve], marker=".")
+        ax.axvline(chosen, color="grey", linestyle="--", label=f"chosen: step {chosen}")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend()
+    fig.tight_layout()
+    path = Path(out_dir) / "checkpoints.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

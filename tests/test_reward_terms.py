@@ -1,0 +1,154 @@
+"""GRPO's reward as declared terms (common/reward_terms.py): PAR and the fluency gate on fixed scores,
+and a reward added as one function plus two YAML lines driving a tiny GRPO run."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from common.checkpoint_choice import choose
+from common.config import ConfigError, GRPOStageConfig
+from common.reward_terms import FluencyGate, ParScorer, Term, gate_value, par
+from common.scorers import FunctionScorer
+
+
+def shorter(prompts, replies, **kwargs):
+    """The worked example of docs/architecture.md: a reward for shorter replies."""
+    return [-len(r.split()) / 10 for r in replies]
+
+
+def test_par_is_the_sigmoid_of_the_margin_over_the_reference():
+    values = par([2.0, 0.0, -3.0, 800.0, -800.0], [0.0, 0.0, 1.0, 0.0, 0.0])
+    assert values[0] == pytest.approx(1 / (1 + math.exp(-2))) and values[1] == 0.5
+    assert values[2] == pytest.approx(1 / (1 + math.exp(4)))
+    assert values[3] == 1.0 and 0 <= values[4] < 1e-300  # no overflow at any margin
+    assert all(0 < v < 1 for v in values[:3])
+
+
+def test_par_scores_each_reply_against_the_reference_to_its_own_premise():
+    table = {"good": 3.0, "bad": -1.0, "ref a": 1.0, "ref b": -1.0}
+    calls = []
+
+    def judge_fn(prompts, replies, **_):
+        calls.append(list(replies))
+        return [table[r] for r in replies]
+    judge = FunctionScorer(judge_fn, "judge")
+    a, b = [{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]
+    scorer = ParScorer(judge, {json.dumps(a): "ref a", json.dumps(b): "ref b"})
+    got = scorer.score([a, a, b, b], ["good", "bad", "good", "bad"])
+    assert got == pytest.approx(par([3.0, -1.0, 3.0, -1.0], [1.0, 1.0, -1.0, -1.0]))
+    scorer.score([a, b], ["bad", "good"])
+    assert sum("ref a" in c for c in calls) == 1  # the reference is scored once per premise
+
+
+def test_the_fluency_gate_sets_a_salad_replys_whole_reward():
+    salad, prose = "the the persuade delta view view", "I think your view misses one point."
+    fluency = FunctionScorer(lambda p, r, **_: [-9.0 if x == salad else -2.0 for x in r], "fluency")
+    judge = Term(FunctionScorer(lambda p, r, **_: [5.0 if x == salad else 1.0 for x in r], "judge"))
+    extra = Term(FunctionScorer(shorter, "shorter"))
+    terms = [(judge, 1.0), (extra, 0.5)]
+    gate = FluencyGate(fluency, threshold=-4.0, terms=terms, weight=2.0, gate_reward=0.0)
+    prompts, completions = [[{"role": "user", "content": "p"}]] * 2, [salad, prose]
+    outputs = [judge(prompts, completions), extra(prompts, completions), gate(prompts, completions)]
+    total = [sum(w * out[i] for w, out in zip((1.0, 0.5, 2.0), outputs)) for i in range(2)]  # TRL's weighted sum
+    assert total[0] == pytest.approx(0.0) and outputs[0][0] == 5.0  # the judge loved the salad; the gate zeroes it
+    assert total[1] == pytest.approx(1.0 + 0.5 * shorter(None, [prose])[0]) and outputs[2][1] == 0.0
+    assert gate_value(total[1], -2.0, -4.0) == total[1] and gate_value(7.0, -9.0, -4.0, -1.0) == -1.0
+
+
+def test_reward_weights_must_match_reward_funcs():
+    with pytest.raises(ConfigError, match="reward_weights") as err:
+        GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["judge", "par"], reward_weights=[1.0])
+    assert err.value.field == "reward_weights"
+    with pytest.raises(ConfigError, match="'reward_funcs': 'judeg' is none of"):
+        GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["judeg"], reward_weights=[1.0])
+    with pytest.raises(ConfigError, match="dev_judges"):
+        GRPOStageConfig(pairs_run="p", reward_run="r", checkpoint_eval_steps=2, fluency_model_name_or_path="m")
+    with pytest.raises(ConfigError, match="fluency_model_name_or_path"):
+        GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["fluency"], reward_weights=[1.0])
+
+
+@pytest.fixture(scope="module")
+def grpo_with_terms(tiny_model, pairs_run, tmp_path_factory):
+    from conftest import REPO, run_dir_of, run_stage
+    runs = tmp_path_factory.mktemp("terms")
+    reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
+                                  "--pairs_run", pairs_run, "--runs_dir", runs))
+    recipe = runs / "04_train_grpo.yaml"
+    recipe.write_text((REPO / "configs/tiny/04_train_grpo.yaml").read_text()
+                      + 'reward_funcs: [judge, par, fluency, "tests.test_reward_terms:shorter"]\n'
+                      + "reward_weights: [1.0, 0.5, 0.1, 0.5]\nbeta: 0.05\n"
+                      + "fluency_model_name_or_path: .cache/models/tiny-llama3\n"
+                      + 'checkpoint_eval_steps: 1\ncheckpoint_eval_premises: 3\ndev_judges: [judge, "tests.test_reward_terms:shorter"]\n')
+    grpo = run_dir_of(run_stage("04_train_grpo.py", "--config", recipe, "--pairs_run", pairs_run,
+                                "--reward_run", reward, "--runs_dir", runs))
+    return grpo
+
+
+def test_a_reward_added_as_a_function_and_two_yaml_lines_drives_grpo(grpo_with_terms):
+    run = grpo_with_terms
+    metrics = json.loads((run / "metrics.json").read_text())
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert (run / "DONE").is_file() and metrics["global_step"] == 2
+    assert [manifest["reward_terms"][n]["spec"] for n in ("judge", "par", "fluency", "shorter")] == \
+        ["judge", "par", "fluency", "tests.test_reward_terms:shorter"]
+    for step in metrics["per_step"]:
+        assert step["reward/shorter"] == pytest.approx(-step["reply_words_mean"] / 10, abs=1e-4)
+        assert 0 < step["reward/par"] < 1 and isinstance(step["reward/judge"], float)
+        assert step["reward/fluency"] <= 0
+        assert step["reward_mean"] == pytest.approx(step["reward/judge"] + 0.5 * step["reward/par"] + 0.1 *
+                                                    step["reward/fluency"] + 0.5 * step["reward/shorter"], abs=1e-3)
+        assert step["distinct_2"] is not None and step["premise_overlap"] is not None
+    assert any("kl" in h for h in metrics["log_history"])  # beta > 0: TRL's KL to the start, static rollouts
+    rows = [json.loads(line) for line in (run / "reference_replies.jsonl").read_text().splitlines()]
+    assert rows and manifest["reference_replies_sha256"] and "reference_replies.jsonl" in manifest["artifacts"]
+
+
+def test_a_resumed_run_refuses_changed_reference_replies(tmp_path):
+    from types import SimpleNamespace
+
+    from common import provenance
+    from common.reward_terms import REFERENCE_REPLIES, FluencyPenalty, reference_replies
+    from common.runs import RunError
+    prompts = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    path = tmp_path / REFERENCE_REPLIES
+    path.write_text("".join(json.dumps({"prompt": p, "reply": r}) + "\n" for p, r in zip(prompts, ["x y", "z"])))
+    run = SimpleNamespace(dir=tmp_path, manifest={"reference_replies_sha256": provenance.sha256_file(path)})
+    assert reference_replies(None, run, None, None, prompts) == {json.dumps(prompts[0]): "x y", json.dumps(prompts[1]): "z"}
+    with pytest.raises(RunError, match="other premises"):
+        reference_replies(None, run, None, None, prompts[::-1])
+    path.write_text(path.read_text().replace("x y", "x w"))
+    with pytest.raises(RunError, match="changed since the run wrote it"):
+        reference_replies(None, run, None, None, prompts)
+    path.unlink()
+    with pytest.raises(RunError, match="is gone"):
+        reference_replies(None, run, None, None, prompts)
+    # the fluency penalty: nothing above the reference's level, the shortfall below it, nothing for nan
+    penalty = FluencyPenalty(FunctionScorer(lambda p, r, **_: [-1.0, -4.5, math.nan], "lp"), reference_lp=-2.0)
+    assert penalty.score(prompts + prompts[:1], ["a", "b", "c"]) == [0.0, -2.5, 0.0]
+
+
+def test_the_checkpoint_choice_follows_the_dev_judges_among_fluent_steps():
+    def row(step, judge, fluency):
+        return {"step": step, "judge_mean": judge, "fluency": fluency}
+    curve = [row(0, 0.1, -3.0), row(10, 0.4, -3.2), row(20, 0.9, -4.0), row(30, 0.6, -3.4), row(40, 0.6, -3.1)]
+    assert choose(curve, tolerance=0.5) == 30  # step 20 scores best but lost 1 nat of fluency; 30 ties 40: earlier
+    assert choose(curve, tolerance=2.0) == 20
+    assert choose(curve, tolerance=0.05) == 0  # nothing kept the start's fluency but the start
+    assert choose([row(0, 0.5, -3.0), row(5, 0.2, -3.0)], tolerance=1.0) == 0  # the dev judges never improved
+    assert choose([row(0, 0.5, -3.0), row(5, 0.9, math.nan)], tolerance=1.0) == 0  # unmeasured fluency never qualifies
+
+
+def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
+    from safetensors.torch import load_file
+    run = grpo_with_terms
+    choice = json.loads((run / "metrics.json").read_text())["checkpoint_choice"]
+    assert [c["step"] for c in choice["curve"]] == [0, 1, 2] and (run / "checkpoints.png").is_file()
+    assert choice["chosen_step"] == choose(choice["curve"], choice["fluency_tolerance"])
+    assert choice["dev_judge_families"] == ["llama", None] and choice["warning"] is None
+    for c in choice["curve"]:
+        assert set(c["judges"]) == {"judge", "shorter"} and c["fluency"] < 0
+    kept = load_file(run / "adapter" / "adapter_model.safetensors")
+    chosen = load_file(run / "steps" / f"step-{choice['chosen_step']}" / "adapter_model.safetensors")
+    assert kept.keys() == chosen.keys() and all((kept[k] == chosen[k]).all() for k in kept)
