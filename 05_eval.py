@@ -50,6 +50,7 @@ from common.generation import decoder_backends, generate_replies
 from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge, verdict_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
+from common.rating_sources import rating_inputs
 from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.runs import Run
@@ -69,6 +70,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
               **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)},
               **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)},
               **{f"crossfit_judge_runs[{i}]": path for i, path in enumerate(config.crossfit_judge_runs)},
+              "rating_run": config.rating_run, "rating_dev_run": config.rating_dev_run,  # review: ratings
               **eval_inputs.input_files(config)}  # --eval_data files (with their sha256), --replies_from
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
@@ -183,7 +185,10 @@ def main(config: EvalConfig, overrides: dict) -> None:
     if crossfit:
         run.manifest["judges"][crossfit.name] = crossfit.fingerprints()
     run.save_manifest()
-    task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed)
+    #    Review: the rating model's rating of each paper (--rating_run), and the dev run whose ratings fit the
+    #    blend (--rating_dev_run; common/rating_sources.py).
+    rating = rating_inputs(config, run, premises) if config.rating_run or config.rating_dev_run else None
+    task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed, rating=rating)
     for name in results:
         log.info("%s: %s", name, results[name])
 

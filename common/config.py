@@ -339,6 +339,17 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
                              "block mask on a GPU; common/fast/padding_free.py); pairwise 4-bit judges only")
     prompt_once_per_pair: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, "
                                      "computed once (common/fast/padding_free.py); same rewards and loss as two rows")
+    # The review task's judge is a rating model (common/rating_model.py): these fields are its own.
+    rating_loss: Literal["huber", "mse"] = arg(
+        "huber", "review task (a rating model): the regression loss on the standardised mean reviewer rating; huber "
+        "(delta one sd) is robust to a paper whose reviewers disagree wildly")
+    rating_pooling: Literal["mean", "attention"] = arg(
+        "mean", "review task, lora_4bit: how a paper's windows' scores become one: their mean, or attention (a "
+        "second head output weighs each window, softmax over the paper's windows)")
+    rating_max_windows: int = arg(8, "review task, lora_4bit: windows of a paper read at most, spread evenly over it "
+                                  "(the first and the last kept)", ge=1)
+    rating_window_overlap: int = arg(256, "review task, lora_4bit: tokens two neighbouring windows of a paper share "
+                                     "(a window is max_length templated tokens)", ge=0)
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
@@ -499,6 +510,12 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     replies_from: str | None = arg(
         None, "a finished Eval run whose replies are scored again, nothing generated, by --judge_runs and "
               "--reward_run; its premises, models and decoding are taken from it")
+    rating_run: str | None = arg(
+        None, "review task: a Reward run of a rating model (stage 03 on a review pairs run) whose rating of every "
+              "scored paper is one more rating source (docs/review.md)")
+    rating_dev_run: str | None = arg(
+        None, "review task: an Eval run of the dev split (same pairs run and decoding) whose ratings, with the "
+              "rating model's on the same dev papers, fit each model's blend; the scored papers never enter the fit")
 
     def check(self):
         if not self.replies_from:  # with it, the pairs run is the source run's
