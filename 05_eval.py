@@ -102,6 +102,11 @@ def main(config: EvalConfig, overrides: dict) -> None:
     if crossfit:
         judges[crossfit.name] = crossfit.info
 
+    # 2d. Review: the rating model's rating of each paper (--rating_run; it must not have trained on one), and
+    #     the dev run whose ratings fit the blend (--rating_dev_run), checked before anything is generated
+    #     (common/rating_sources.py).
+    rating = rating_inputs(config, run, premises) if config.rating_run or config.rating_dev_run else None
+
     # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base. Review:
     #    each model's own rating is also read after its review (common/readout.py), so that a review
     #    that never wrote one still has a rating; reading all_windows reads it on every window too.
@@ -185,9 +190,6 @@ def main(config: EvalConfig, overrides: dict) -> None:
     if crossfit:
         run.manifest["judges"][crossfit.name] = crossfit.fingerprints()
     run.save_manifest()
-    #    Review: the rating model's rating of each paper (--rating_run), and the dev run whose ratings fit the
-    #    blend (--rating_dev_run; common/rating_sources.py).
-    rating = rating_inputs(config, run, premises) if config.rating_run or config.rating_dev_run else None
     task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed, rating=rating)
     for name in results:
         log.info("%s: %s", name, results[name])
