@@ -50,7 +50,7 @@ from common.generation import decoder_backends, generate_replies
 from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge, verdict_lines
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.rating_sources import rating_inputs
+from common.rating_sources import rating_inputs, rerank_by_rating
 from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.runs import Run
@@ -149,6 +149,21 @@ def main(config: EvalConfig, overrides: dict) -> None:
                                         **{**config.decoding(), "temperature": config.best_of_n_temperature})
                 speed["best_of_n"] = generation_speed(tokenizer, flat, time.perf_counter() - started)
             candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
+        #    Review, rerank_by_rating: n sampled SFT reviews a paper, the one whose written rating is nearest the
+        #    rating model's kept (common/rating_sources.py), its rating read out like every model's.
+        if config.rerank_by_rating:
+            run.manifest["rerank_by_rating"] = {"n": config.rerank_by_rating, "from": "sft",
+                                                "temperature": config.rerank_temperature}
+            model.set_adapter("sft")
+            started = time.perf_counter()
+            sampled = generate_replies(model, tokenizer, [p for p in prompts for _ in range(config.rerank_by_rating)],
+                                       config.max_new_tokens, config.batch_size,
+                                       **{**config.decoding(), "temperature": config.rerank_temperature})
+            speed["rerank_by_rating"] = generation_speed(tokenizer, sampled, time.perf_counter() - started)
+            replies["rerank_by_rating"], rating["reranked"] = rerank_by_rating(sampled, config.rerank_by_rating,
+                                                                               rating["rating_model"])
+            readouts["rerank_by_rating"] = rating_readouts(model, tokenizer, task, prompts, replies["rerank_by_rating"],
+                                                           windows)
         del model
 
     # 4. Score: best-of-n's pick by the training judge; overlap with the real replies; what the replies

@@ -513,6 +513,11 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     rating_run: str | None = arg(
         None, "review task: a Reward run of a rating model (stage 03 on a review pairs run) whose rating of every "
               "scored paper is one more rating source (docs/review.md)")
+    rerank_by_rating: int = arg(
+        0, "review task, > 1: add the model rerank_by_rating: this many reviews a paper sampled from the SFT model at "
+        "rerank_temperature, the one whose written rating is nearest the rating model's (--rating_run) kept; 0: off",
+        ge=0)
+    rerank_temperature: float = arg(0.7, "rerank_by_rating: the sampling temperature of its candidates", gt=0)
     rating_dev_run: str | None = arg(
         None, "review task: an Eval run of the dev split (same pairs run and decoding) whose ratings, with the "
               "rating model's on the same dev papers, fit each model's blend; the scored papers never enter the fit")
@@ -529,6 +534,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if self.replies_from and (self.sft_run or self.policy_runs):
             raise ConfigError("replies_from: the models are those of that run, whose replies are read back; give no "
                               "sft_run or policy_runs", "replies_from")
+        if self.rerank_by_rating == 1 or (self.rerank_by_rating and not (self.rating_run and self.sft_run)):
+            raise ConfigError("field 'rerank_by_rating' must be 0 (off) or at least 2, and reranks the SFT model's "
+                              "reviews by the rating model's rating: it needs --sft_run and --rating_run",
+                              "rerank_by_rating")
         if self.best_of_n == 1:
             raise ConfigError("field 'best_of_n' must be 0 (off) or at least 2: one sample has no best", "best_of_n")
         if self.best_of_n and not self.reward_run:

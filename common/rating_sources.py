@@ -122,6 +122,21 @@ def rating_inputs(config, run, premises: list[dict]) -> dict:
     return out
 
 
+def rerank_by_rating(sampled: list[str], n: int, predicted: list[float]) -> tuple[list[str], list[dict]]:
+    """n sampled reviews a paper (flat, paper by paper) -> the one whose written rating is nearest the rating
+    model's prediction for the paper (the first of equals; the first review when none writes a rating), and
+    per paper the candidates' ratings and the index kept."""
+    from common.tasks.review import parse_review
+    kept, info = [], []
+    for paper, target in enumerate(predicted):
+        candidates = sampled[paper * n:(paper + 1) * n]
+        written = [parse_review(c)["overall"] for c in candidates]
+        best = min(range(n), key=lambda i: (written[i] is None, abs(written[i] - target) if written[i] is not None else 0))
+        kept.append(candidates[best])
+        info.append({"candidate_ratings": written, "kept": best, "rating_model": target})
+    return kept, info
+
+
 # --- the sources, the table, the plots ------------------------------------------------------------
 
 def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], extra: dict | None,

@@ -157,3 +157,27 @@ def test_stage_05_reports_every_rating_source(runs):
     bad = run_stage("05_eval.py", *common, "--max_premises", "3", "--rating_dev_run", evalrun, check=False)
     assert bad.returncode != 0 and "the blend is fitted on the dev papers" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_rerank_keeps_the_review_whose_rating_is_nearest_the_rating_models():
+    from common.rating_sources import rerank_by_rating
+    sampled = ["Overall Quality: 2", "Overall Quality: 4", "no rating",  # paper 1, rating model 4.4
+               "loops", "loops again", "Overall Quality: 6"]  # paper 2, rating model 3.0
+    kept, info = rerank_by_rating(sampled, 3, [4.4, 3.0])
+    assert kept == ["Overall Quality: 4", "Overall Quality: 6"]
+    assert info[0] == {"candidate_ratings": [2.0, 4.0, None], "kept": 1, "rating_model": 4.4}
+    assert rerank_by_rating(["a", "b"], 2, [4.0])[0] == ["a"]  # none writes a rating: the first
+
+
+def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
+    out, pairs, rating = runs
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", f"{TINY}/02_train_sft.yaml", "--pairs_run", pairs,
+                               "--runs_dir", out, "--max_steps", "1"))
+    evalrun = run_dir_of(run_stage("05_eval.py", "--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs,
+                                   "--runs_dir", out, "--max_new_tokens", "8", "--max_premises", "2",
+                                   "--sft_run", sft, "--rating_run", rating, "--rerank_by_rating", "2"))
+    results = json.loads((evalrun / "eval.json").read_text())
+    assert {"sft", "rerank_by_rating"} <= set(results) and "rerank_by_rating_readout" in results["rating_sources"]
+    assert results["rerank_by_rating"]["n"] == 2 and "bleu4" in results["rerank_by_rating"]
+    rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
+    assert all(len(r["rerank_by_rating"]["candidate_ratings"]) == 2 for r in rows)

@@ -486,6 +486,8 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
     for rows in per_reply.values() if rating and "rating_model" in rating else ():
         for row, value in zip(rows, rating["rating_model"]):
             row["rating_model"] = value
+    for row, info in zip(per_reply.get("rerank_by_rating", []), (rating or {}).get("reranked", [])):
+        row.update(candidate_ratings=info["candidate_ratings"], kept=info["kept"])
     return {"baselines": {**baselines, "rating_sources": sources["sources"]}, "per_reply": per_reply,
             "sections": _rating_rows(replies, results, baselines) + rating_sources.table_rows(sources["sources"]),
             "plots": lambda out_dir: _plots(out_dir, pairs, sources["points"])}
