@@ -52,7 +52,8 @@ print(min(sys.argv[1:], key=lambda run: json.load(open(run + "/metrics.json"))["
   # shellcheck disable=SC2086
   dev_eval=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
     --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}")
-  rating_flags=(--rating_run "$rating" --rating_dev_run "$dev_eval")
+  # and RERANK_N (default 4) sampled SFT reviews a test paper, the one whose rating is nearest the rating model's kept
+  rating_flags=(--rating_run "$rating" --rating_dev_run "$dev_eval" --rerank_by_rating "${RERANK_N:-4}")
 fi
 
 # shellcheck disable=SC2086
