@@ -181,3 +181,23 @@ def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     assert results["rerank_by_rating"]["n"] == 2 and "bleu4" in results["rerank_by_rating"]
     rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
     assert all(len(r["rerank_by_rating"]["candidate_ratings"]) == 2 for r in rows)
+
+
+@pytest.mark.parametrize("variant", [["--config", f"{TINY}/03_train_rating_minilm.yaml"],
+                                     ["--config", f"{TINY}/03_train_rating.yaml", "--rating_pooling", "attention"]],
+                         ids=["minilm_encoder", "attention_pooling"])
+def test_the_encoder_and_attention_pooling_rate_as_stage_03_measured(runs, variant):
+    """The MiniLM baseline (one input a paper, early stopping on dev) and attention pooling (a head of two
+    outputs) are saved and read back to the dev ratings stage 03 wrote."""
+    from common.model import unwrap_peft
+    from common.rating_model import RatingModel
+    out, pairs, _ = runs
+    run = run_dir_of(run_stage("03_train_reward.py", *variant, "--pairs_run", pairs, "--runs_dir", out))
+    model = RatingModel.from_run(run)
+    head = unwrap_peft(model.model).config.num_labels
+    assert head == (2 if "attention" in variant else 1)
+    dev = one_per_group(load_split(pairs, "dev"))[:4]
+    written = [json.loads(line)["predicted"] for line in (run / "dev_ratings.jsonl").read_text().splitlines()]
+    assert model.predict(dev) == pytest.approx(written, abs=1e-4)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert ("early_stopping" in metrics) == ("attention" not in variant)
