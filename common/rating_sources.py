@@ -88,9 +88,8 @@ def dev_ratings(config, run) -> dict:
         if getattr(dev, field) != getattr(config, field):
             raise RunError(f"--rating_dev_run {path}: field '{field}' is {getattr(dev, field)!r} there but "
                            f"{getattr(config, field)!r} here; the blend needs the same decoding and reading")
-    inputs = read_json(path / "manifest.json").get("inputs", {})
-    same_sft = "sft_run" in inputs and "sft_run" in run.inputs and \
-        inputs["sft_run"].get("sha256") == run.inputs["sft_run"].get("sha256")
+    inputs, ours = read_json(path / "manifest.json").get("inputs", {}), run.manifest.get("inputs", {})
+    same_sft = "sft_run" in inputs and "sft_run" in ours and inputs["sft_run"].get("sha256") == ours["sft_run"].get("sha256")
     models = {"base"} | ({"sft"} if same_sft else set())
     out: dict[str, dict] = {}
     for _, row in read_jsonl(path / "replies.jsonl"):

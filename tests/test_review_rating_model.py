@@ -173,11 +173,16 @@ def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     out, pairs, rating = runs
     sft = run_dir_of(run_stage("02_train_sft.py", "--config", f"{TINY}/02_train_sft.yaml", "--pairs_run", pairs,
                                "--runs_dir", out, "--max_steps", "1"))
-    evalrun = run_dir_of(run_stage("05_eval.py", "--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs,
-                                   "--runs_dir", out, "--max_new_tokens", "8", "--max_premises", "2",
-                                   "--sft_run", sft, "--rating_run", rating, "--rerank_by_rating", "2"))
+    common = ["--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--runs_dir", out, "--max_new_tokens", "8",
+              "--sft_run", sft]
+    dev = run_dir_of(run_stage("05_eval.py", *common, "--split", "dev", "--max_premises", "4", "--evaluate_base", "false"))
+    evalrun = run_dir_of(run_stage("05_eval.py", *common, "--max_premises", "2", "--rating_run", rating,
+                                   "--rating_dev_run", dev, "--rerank_by_rating", "2"))
     results = json.loads((evalrun / "eval.json").read_text())
     assert {"sft", "rerank_by_rating"} <= set(results) and "rerank_by_rating_readout" in results["rating_sources"]
+    # the dev run evaluated the same SFT run (not the base): SFT's blend only, fitted on its 4 dev papers
+    assert "sft_blend" in results["rating_sources"] and "base_blend" not in results["rating_sources"]
+    assert results["rating_sources"]["sft_blend"]["blend"]["n_fit"] == 4
     assert results["rerank_by_rating"]["n"] == 2 and "bleu4" in results["rerank_by_rating"]
     rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
     assert all(len(r["rerank_by_rating"]["candidate_ratings"]) == 2 for r in rows)
