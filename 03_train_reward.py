@@ -98,12 +98,16 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     hard = {f"hard_negatives[{i}]": parse(spec, [])[0] for i, spec in enumerate(config.hard_negatives)}
     run = Run("Reward", config, overrides, inputs={"pairs_run": config.pairs_run, **hard},
               base=fingerprint(config))  # the pipeline's base, which 04 and 05 compare
-    if not get_task(run.task).PAIRWISE:
+    own_judge = getattr(get_task(run.task), "train_judge", None)  # the task decides what its judge learns
+    if not get_task(run.task).PAIRWISE and not own_judge:
         raise RunError(f"{config.pairs_run} is a {run.task} pairs run: a judge trains on winner-vs-loser pairs, "
                        f"which this task does not have")
     run.manifest["judge"] = judge_fingerprint(config)  # the judge's own backbone (RewardScorer.from_run)
     run.save_manifest()
     run.start_tracking()
+    if own_judge:  # review: a rating model, a paper -> its mean reviewer rating (common/rating_model.py)
+        run.finish(own_judge(config, run))
+        return
 
     # 2. Data: winner-vs-loser pairs of the split the judge trains on, and of train_also's (their posts
     #    recorded for 05's overlap check); the held-out audit split for the judge's report. Cross-fitting

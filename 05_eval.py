@@ -54,6 +54,7 @@ from common.generation import decoder_backends, generate_replies
 from common.judges import CrossFitScorer, describe_judges, gain_lines, load_judge
 from common.metrics import judge_metrics, text_metrics
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer, resolve_model_path
+from common.rating_sources import rating_inputs, rerank_by_rating
 from common.readout import rating_readouts
 from common.report import judges_section, log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.runs import Run
@@ -75,6 +76,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
               **{f"policy_runs[{i}]": path for i, path in enumerate(config.policy_runs)},
               **{f"judge_runs[{i}]": path for i, path in enumerate(config.judge_runs)},
               **{f"crossfit_judge_runs[{i}]": path for i, path in enumerate(config.crossfit_judge_runs)},
+              "rating_run": config.rating_run, "rating_dev_run": config.rating_dev_run,  # review: ratings
               **eval_inputs.input_files(config)}  # --eval_data files (with their sha256), --replies_from
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
@@ -105,6 +107,11 @@ def main(config: EvalConfig, overrides: dict) -> None:
         if config.crossfit_judge_runs else None
     if crossfit:
         judges[crossfit.name] = crossfit.info
+
+    # 2d. Review: the rating model's rating of each paper (--rating_run; it must not have trained on one), and
+    #     the dev run whose ratings fit the blend (--rating_dev_run), checked before anything is generated
+    #     (common/rating_sources.py).
+    rating = rating_inputs(config, run, premises) if config.rating_run or config.rating_dev_run else None
 
     # 3. Generate: the base with adapters disabled, then each adapter on the same 4-bit base. Review:
     #    each model's own rating is also read after its review (common/readout.py), so that a review
@@ -148,6 +155,21 @@ def main(config: EvalConfig, overrides: dict) -> None:
                                         **{**config.decoding(), "temperature": config.best_of_n_temperature})
                 speed["best_of_n"] = generation_speed(tokenizer, flat, time.perf_counter() - started)
             candidates = [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
+        #    Review, rerank_by_rating: n sampled SFT reviews a paper, the one whose written rating is nearest the
+        #    rating model's kept (common/rating_sources.py), its rating read out like every model's.
+        if config.rerank_by_rating:
+            run.manifest["rerank_by_rating"] = {"n": config.rerank_by_rating, "from": "sft",
+                                                "temperature": config.rerank_temperature}
+            model.set_adapter("sft")
+            started = time.perf_counter()
+            sampled = generate_replies(model, tokenizer, [p for p in prompts for _ in range(config.rerank_by_rating)],
+                                       config.max_new_tokens, config.batch_size,
+                                       **{**config.decoding(), "temperature": config.rerank_temperature})
+            speed["rerank_by_rating"] = generation_speed(tokenizer, sampled, time.perf_counter() - started)
+            replies["rerank_by_rating"], rating["reranked"] = rerank_by_rating(sampled, config.rerank_by_rating,
+                                                                               rating["rating_model"])
+            readouts["rerank_by_rating"] = rating_readouts(model, tokenizer, task, prompts, replies["rerank_by_rating"],
+                                                           windows)
         del model
 
     # 4. Score: best-of-n's pick (best_of_n_scorer's, the training judge by default); overlap with the real replies; what the replies
@@ -218,7 +240,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     if crossfit:
         run.manifest["judges"][crossfit.name] = crossfit.fingerprints()
     run.save_manifest()
-    task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed)
+    task_report = task.evaluate(premises, replies, results, config.pairs_run, readouts, config.seed, rating=rating)
     for name in results:
         log.info("%s: %s", name, results[name])
 

@@ -374,6 +374,17 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     hard_negative_models: list[str] = arg(
         help="hard_negatives given as a bare RUN: the models (replies.jsonl's names) whose replies are taken",
         factory=list)
+    # The review task's judge is a rating model (common/rating_model.py): these fields are its own.
+    rating_loss: Literal["huber", "mse"] = arg(
+        "huber", "review task (a rating model): the regression loss on the standardised mean reviewer rating; huber "
+        "(delta one sd) is robust to a paper whose reviewers disagree wildly")
+    rating_pooling: Literal["mean", "attention"] = arg(
+        "mean", "review task, lora_4bit: how a paper's windows' scores become one: their mean, or attention (a "
+        "second head output weighs each window, softmax over the paper's windows)")
+    rating_max_windows: int = arg(8, "review task, lora_4bit: windows of a paper read at most, spread evenly over it "
+                                  "(the first and the last kept)", ge=1)
+    rating_window_overlap: int = arg(256, "review task, lora_4bit: tokens two neighbouring windows of a paper share "
+                                     "(a window is max_length templated tokens)", ge=0)
 
     def check(self):
         check_model_path("judge_model_name_or_path", self.judge_model_name_or_path)
@@ -630,6 +641,17 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     replies_from: str | None = arg(
         None, "a finished Eval run whose replies are scored again, nothing generated, by --judge_runs and "
               "--reward_run; its premises, models and decoding are taken from it")
+    rating_run: str | None = arg(
+        None, "review task: a Reward run of a rating model (stage 03 on a review pairs run) whose rating of every "
+              "scored paper is one more rating source (docs/review.md)")
+    rerank_by_rating: int = arg(
+        0, "review task, > 1: add the model rerank_by_rating: this many reviews a paper sampled from the SFT model at "
+        "rerank_temperature, the one whose written rating is nearest the rating model's (--rating_run) kept; 0: off",
+        ge=0)
+    rerank_temperature: float = arg(0.7, "rerank_by_rating: the sampling temperature of its candidates", gt=0)
+    rating_dev_run: str | None = arg(
+        None, "review task: an Eval run of the dev split (same pairs run and decoding) whose ratings, with the "
+              "rating model's on the same dev papers, fit each model's blend; the scored papers never enter the fit")
 
     def check(self):
         if not self.replies_from:  # with it, the pairs run is the source run's
@@ -643,6 +665,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if self.replies_from and (self.sft_run or self.policy_runs):
             raise ConfigError("replies_from: the models are those of that run, whose replies are read back; give no "
                               "sft_run or policy_runs", "replies_from")
+        if self.rerank_by_rating == 1 or (self.rerank_by_rating and not (self.rating_run and self.sft_run)):
+            raise ConfigError("field 'rerank_by_rating' must be 0 (off) or at least 2, and reranks the SFT model's "
+                              "reviews by the rating model's rating: it needs --sft_run and --rating_run",
+                              "rerank_by_rating")
         if self.best_of_n == 1:
             raise ConfigError("field 'best_of_n' must be 0 (off) or at least 2: one sample has no best", "best_of_n")
         if self.best_of_n and not (self.reward_run or self.best_of_n_scorer):

@@ -86,13 +86,14 @@ def load_tokenizer(args: ModelArgs):
 
 
 def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | None = None,
-               trainable: bool = True, tokenizer=None, adapter_name: str = "default"):
+               trainable: bool = True, tokenizer=None, adapter_name: str = "default", num_labels: int = 1):
     """The 4-bit base plus LoRA: a fresh adapter, or the saved one in `adapter` (with its head).
-    ENCODER: the plain encoder classifier, fresh from the backbone or the fine-tuned one in `adapter`."""
+    ENCODER: the plain encoder classifier, fresh from the backbone or the fine-tuned one in `adapter`.
+    `num_labels`: the head's outputs (SEQ_CLS, ENCODER; a judge's score is the first)."""
     if kind == ENCODER:
-        return _load_encoder(args, adapter, trainable, tokenizer)
+        return _load_encoder(args, adapter, trainable, tokenizer, num_labels)
     cls = AutoModelForSequenceClassification if kind == SEQ_CLS else AutoModelForCausalLM
-    extra = {"num_labels": 1} if kind == SEQ_CLS else {}
+    extra = {"num_labels": num_labels} if kind == SEQ_CLS else {}
     # bf16 for the non-quantised parts: the trainer's bf16 cast of the score head fails on fp32 parts.
     base = cls.from_pretrained(args.model_name_or_path, quantization_config=bnb_config(),
                                dtype=torch.bfloat16, device_map={"": local_device()},
@@ -112,18 +113,18 @@ def load_model(args: ModelArgs, kind: str = CAUSAL_LM, adapter: str | Path | Non
     return model
 
 
-def _load_encoder(args: ModelArgs, saved: str | Path | None, trainable: bool, tokenizer):
+def _load_encoder(args: ModelArgs, saved: str | Path | None, trainable: bool, tokenizer, num_labels: int = 1):
     """A judge on an encoder (BERT-like): num_labels=1, full precision weights, every weight trained.
     bf16 autocast on GPUs comes from the trainer (precision_flags), as for the 4-bit path."""
     path = str(saved) if saved is not None else resolve_model_path(args.model_name_or_path)
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, attn_implementation=args.attn_implementation)
+            path, num_labels=num_labels, dtype=torch.float32, attn_implementation=args.attn_implementation)
     except ValueError as err:  # an architecture without that kernel (MPNet has no SDPA): its eager attention
         if "attention implementation" not in str(err):
             raise
         log.warning("%s: no %s attention for this architecture, eager attention", path, args.attn_implementation)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, dtype=torch.float32,
                                                                    attn_implementation="eager")
     tokenizer = tokenizer or load_tokenizer(args)
     model.config.pad_token_id = tokenizer.pad_token_id

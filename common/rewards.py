@@ -159,6 +159,9 @@ class RewardScorer:
         trained = load_run_config(reward_run)
         if not isinstance(trained, RewardStageConfig):
             raise RunError(f"{reward_run} is not a Reward run: it has no judge")
+        if (reward_run / "rating_scale.json").is_file():  # common/rating_model.py: it rates papers, not replies
+            raise RunError(f"{reward_run} is a rating model (a paper -> its rating), not a judge of replies: give it "
+                           f"to stage 05 as --rating_run")
         manifest = read_json(reward_run / "manifest.json")
         recorded = manifest.get("judge") or manifest.get("base") or {}
         now = judge_fingerprint(trained)

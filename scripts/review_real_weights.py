@@ -75,7 +75,7 @@ def summary(eval_run: Path, out: Path, sweep: list[Path]) -> None:
     config = config_of(eval_run)
     policies = {k: Path(v["path"]) for k, v in manifest["inputs"].items() if k.startswith("policy_runs")}
     names = [n for n in results if isinstance(results[n], dict) and "bleu4" in results[n]]
-    adapters = [n for n in names if n not in ("base", "sft")]
+    adapters = [n for n in names if n not in ("base", "sft", "rerank_by_rating", "best_of_n")]  # the policy runs
     runs = {name: preference_run(policies[f"policy_runs[{i}]"]) for i, name in enumerate(adapters)}
     keep = ("n", "bleu4", "rouge1", "rouge2", "rougeL", "reply_words_mean", "format_compliance", "n_rated",
             "rating_mae", "rating_mae_ci", "rating_rmse", "rating_rmse_ci", "rating_pearson", "rating_pearson_ci",
@@ -85,6 +85,7 @@ def summary(eval_run: Path, out: Path, sweep: list[Path]) -> None:
             "decoding": {k: config[k] for k in DECODING_FIELDS}, "reading": config["reading"],
             "models": {label(n, runs): {k: results[n][k] for k in keep if k in results[n]} for n in names},
             "baseline_constant": results["baseline_constant"], "baseline_human": results["baseline_human"],
+            "rating_sources": results.get("rating_sources"),
             "dev_sweep": [sweep_row(r) for r in sweep], "preference_runs": list(runs.values())}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "review_real_weights.json", data)

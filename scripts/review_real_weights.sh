@@ -9,7 +9,10 @@
 # RECIPE: the recipe folder (default configs/smol-gpu/review; the test runs configs/tiny/review);
 # SUMMARY_DIR: where the summary goes (default RUNS_DIR); DECODINGS: the decodings tried, one a line;
 # EVAL_FLAGS: more flags for every stage-05 run; PAIRS_RUN, SFT_RUN: finished runs to start from instead
-# of running 01 and 02. Prints the report's and the summary's paths.
+# of running 01 and 02; RATING_CONFIGS: the rating-model recipes trained by stage 03 (default the recipe's
+# 03_train_rating*.yaml; empty: none), the one of lowest dev MAE rating every test paper beside the
+# reviews' own ratings, with a dev eval of SFT at the picked decoding to fit the blend (docs/review.md,
+# "Every rating source"). Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu/review}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
@@ -34,6 +37,25 @@ decoding=$(sed -n 1p <<<"$picked")
 reading=$(sed -n 2p <<<"$picked")
 echo "picked on the dev papers: $decoding $reading" >&2
 
+# The rating model (docs/review.md): each of RATING_CONFIGS on the train papers, the one of lowest dev MAE
+# kept; the SFT model's reviews of the dev papers at the picked decoding fit the blend of the two ratings.
+read -ra RATING_CONFIGS <<<"${RATING_CONFIGS-$(echo "$RECIPE"/03_train_rating*.yaml)}"
+rating_flags=()
+if (( ${#RATING_CONFIGS[@]} )) && [[ -f ${RATING_CONFIGS[0]} ]]; then
+  ratings=()
+  for config in "${RATING_CONFIGS[@]}"; do
+    ratings+=("$(stage 03_train_reward.py --config "$config" --pairs_run "$pairs")")
+  done
+  rating=$("$PY" -c 'import json, sys
+print(min(sys.argv[1:], key=lambda run: json.load(open(run + "/metrics.json"))["rating_mae"]))' "${ratings[@]}")
+  echo "rating model picked on the dev papers: $rating" >&2
+  # shellcheck disable=SC2086
+  dev_eval=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
+    --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}")
+  # and RERANK_N (default 4) sampled SFT reviews a test paper, the one whose rating is nearest the rating model's kept
+  rating_flags=(--rating_run "$rating" --rating_dev_run "$dev_eval" --rerank_by_rating "${RERANK_N:-4}")
+fi
+
 # shellcheck disable=SC2086
 dpo_base=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding)
 # shellcheck disable=SC2086
@@ -43,9 +65,9 @@ orpo=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sf
   $decoding)
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
-  --policy_runs "$dpo_base" "$dpo_sft" "$orpo" $decoding $reading "${EVAL_FLAGS[@]}")
+  --policy_runs "$dpo_base" "$dpo_sft" "$orpo" $decoding $reading "${rating_flags[@]}" "${EVAL_FLAGS[@]}")
 "$PY" scripts/review_real_weights.py summary "$evalrun" "$SUMMARY_DIR" --sweep "${sweep[@]}"
 
 echo
-echo "reviewer on real weights finished in $(( $(date +%s) - start )) s; runs: $pairs $sft ${sweep[*]} $dpo_base $dpo_sft $orpo $evalrun"
+echo "reviewer on real weights finished in $(( $(date +%s) - start )) s; runs: $pairs $sft ${sweep[*]} ${ratings[*]:-} ${dev_eval:-} $dpo_base $dpo_sft $orpo $evalrun"
 echo "report: $(cd "$evalrun" && pwd)/report.md"

@@ -109,11 +109,14 @@ def test_a_paper_without_text_is_read_from_its_pdf(tmp_path, tiny_model):
     assert "Attention over long documents in linear time." in row["paper"] and "We prove a bound." in row["paper"]
 
 
-def test_a_judge_is_refused_on_review_pairs(chain):
-    proc = run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml", "--pairs_run",
-                     chain["pairs"], "--runs_dir", chain["runs"], check=False)
+def test_a_setting_the_rating_model_cannot_work_with_is_refused_on_review_pairs(chain):
+    """Stage 03 on review pairs trains a rating model (tests/test_review_rating_model.py), which batches
+    whole papers: packing replies padding-free is refused in one line, before any run directory."""
+    proc = run_stage("03_train_reward.py", "--config", f"{TINY}/03_train_rating.yaml", "--pairs_run",
+                     chain["pairs"], "--runs_dir", chain["runs"], "--padding_free", "true", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "a judge trains on winner-vs-loser pairs" in proc.stderr.strip().splitlines()[-1]
+    assert "field 'padding_free': the review task's rating model batches whole papers" in \
+        proc.stderr.strip().splitlines()[-1]
 
 
 BUNDLED = "data/review/neurips2025_papers_reviews.jsonl.gz"

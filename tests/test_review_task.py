@@ -111,22 +111,27 @@ def test_windows_refuse_bad_settings(window, overlap):
 def test_rating_metrics_and_baselines_by_hand():
     # errors -0.5, 0, 1: MAE 1.5/3; RMSE sqrt(1.25/3); deviations (0, -1, 1) and (2/3, -5/6, 1/6):
     # covariance sum 1, squares 2 and 7/6, so r = 1 / sqrt(2 * 7/6) = sqrt(3/7)
+    # Spearman: ranks (2, 1, 3) and (3, 1, 2), deviations (0, -1, 1) and (1, -1, 0): rho = 1 / 2
     got = review.rating_metrics([4, 3, 5], [4.5, 3.0, 4.0])
-    assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "rating_pearson": 0.6546537, "n": 3})
+    assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "rating_pearson": 0.6546537,
+                                 "rating_spearman": 0.5, "n": 3})
     # always 4.0: errors 0.5, 1, 0; a constant prediction has no correlation
     got = review.baseline_constant(4.0, [4.5, 3.0, 4.0])
-    assert got.pop("rating_pearson") is None
+    assert got.pop("rating_pearson") is None and got.pop("rating_spearman") is None
     assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "n": 3})
     # paper 1: 4 vs 2, 2 vs 4; paper 2: 3 vs 4.5, 4 vs 4, 5 vs 3.5; paper 3 (one reviewer) left out.
     # errors 2, 2, 1.5, 0, 1.5: MAE 7/5; RMSE sqrt(12.5/5); deviations from 3.6 (0.4, -1.6, -0.6, 0.4, 1.4)
-    # and (-1.6, 0.4, 0.9, 0.4, -0.1): covariance sum -1.8, squares 5.2 and 3.7, r = -1.8 / sqrt(19.24)
+    # and (-1.6, 0.4, 0.9, 0.4, -0.1): covariance sum -1.8, squares 5.2 and 3.7, r = -1.8 / sqrt(19.24).
+    # Spearman: ranks (3.5, 1, 2, 3.5, 5) and (1, 3.5, 5, 3.5, 2), deviations from 3 give a covariance
+    # sum of -5.75 and squares 9.5 and 9.5: rho = -5.75 / 9.5
     got = review.baseline_human([[4, 2], [3, 4, 5], [6]])
     assert got == pytest.approx({"rating_mae": 1.4, "rating_rmse": 1.5811388, "rating_pearson": -0.4103646,
-                                 "n": 5, "n_papers": 2})
+                                 "rating_spearman": -5.75 / 9.5, "n": 5, "n_papers": 2})
 
 
 def test_rating_metrics_edge_cases():
-    assert review.rating_metrics([], []) == {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "n": 0}
+    assert review.rating_metrics([], []) == {"rating_mae": None, "rating_rmse": None, "rating_pearson": None,
+                                             "rating_spearman": None, "n": 0}
     assert review.rating_metrics([4], [3])["rating_pearson"] is None
     assert review.rating_metrics([4.2, 4.2, 4.2], [1, 2, 3])["rating_pearson"] is None
     with pytest.raises(ValueError):

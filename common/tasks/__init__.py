@@ -15,6 +15,8 @@ A task module has:
   premise and a real reply (review: a paper, a real review)
 - `PROBES`: stage 03's shortcut probes of a judge (common/audit.py; empty where no judge trains)
 - `evaluate(premises, replies, results, pairs_run, readouts, seed)`: stage 05, the task's own metrics
+- `train_judge(config, run)` (optional): stage 03 for a task whose judge is no pairwise reward model
+  (review: a rating model, common/rating_model.py); returns the run's metrics
 - `READOUT_SCALE`: a rating scale read from the model where a reply writes none (review: 1-6), or
   None; with it `readout_turn(reply)` (the assistant's turn the rating is read after) and
   `reading_windows(row, tokenizer, max_prompt_tokens, overlap)` (stage 05, reading all_windows)

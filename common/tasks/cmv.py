@@ -15,6 +15,7 @@ import hashlib
 import re
 import unicodedata
 
+from common.config import ConfigError
 from common.data import SENTENCE_END, DataError, n_words, text_field
 
 NAME = "cmv"
@@ -191,7 +192,10 @@ def rows_from(row, where: str, config) -> list[dict] | str:
 
 
 def check_config(config) -> None:
-    """Before a stage's run directory exists: every setting works for CMV."""
+    """Before a stage's run directory exists: every setting works for CMV but the review task's ratings."""
+    for field in ("rating_run", "rating_dev_run"):
+        if getattr(config, field, None):
+            raise ConfigError(f"field '{field}' is the review task's (a paper's rating); a CMV eval has none", field)
 
 
 def input_units(row) -> dict:
@@ -222,7 +226,8 @@ def references(row: dict) -> list[str]:
     return [row["chosen"]]
 
 
-def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run, readouts=None, seed: int = 42) -> dict:
+def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run, readouts=None, seed: int = 42,
+             rating=None) -> dict:
     """Stage 05: CMV's metrics are the shared ones (overlap, and the judge's); nothing to add."""
     return {"baselines": {}, "per_reply": {}, "sections": [], "plots": lambda out_dir: {}}
 

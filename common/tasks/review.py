@@ -298,8 +298,15 @@ def to_examples(row, where: str, review_target: str = "merged"):
 
 # --- the task's hooks for the stages (common/tasks/__init__.py) ----------------------------------
 
-PROBES = ()  # no judge trains on reviews: no shortcut probes
+PROBES = ()  # the review judge is a rating model, not a preference judge: no shortcut probes
 PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-balance, 04 generates rejected
+
+
+def train_judge(config, run) -> dict:
+    """Stage 03: the review task's judge is a rating model, a paper -> its mean reviewer rating
+    (common/rating_model.py); returns the run's metrics."""
+    from common import rating_model
+    return rating_model.train(config, run)
 
 
 def rows_from(row, where: str, config) -> list[dict] | str:
@@ -325,6 +332,15 @@ def check_config(config) -> None:
     if getattr(config, "input_strategy", None) == "sliding_window" and config.window_overlap >= config.max_length:
         raise ConfigError(f"field 'window_overlap' ({config.window_overlap}) must be well below max_length "
                           f"({config.max_length}) for the review task's windows: lower window_overlap", "window_overlap")
+    if not hasattr(config, "rating_pooling"):  # the rest is stage 03's: the rating model
+        return
+    if config.judge_backbone == "lora_4bit" and config.rating_window_overlap >= config.max_length:
+        raise ConfigError(f"field 'rating_window_overlap' ({config.rating_window_overlap}) must be well below "
+                          f"max_length ({config.max_length}), a window of the rating model", "rating_window_overlap")
+    for field in ("padding_free", "max_tokens_per_batch"):
+        if getattr(config, field):
+            raise ConfigError(f"field '{field}': the review task's rating model batches whole papers (every window "
+                              f"of each): leave it off", field)
 
 
 def input_units(row) -> dict:
@@ -418,7 +434,7 @@ def references(row: dict) -> list[str]:
 
 
 def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, pairs_run,
-             readouts: dict | None = None, seed: int = 42) -> dict:
+             readouts: dict | None = None, seed: int = 42, rating: dict | None = None) -> dict:
     """Stage 05's review metrics, each against the paper's mean human rating, with 95% bootstrap
     intervals (over papers). Into each model's results:
     - the rating parsed from each generated review (MAE, RMSE, Pearson over the parseable ones), the
@@ -429,10 +445,12 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
       `readout_all_windows`, the read-out alone on every paper, so the two readings compare on the
       same papers.
     Beside them: a constant predictor (the train split's mean rating) and one more human reviewer
-    (each reviewer against the mean of the paper's others)."""
+    (each reviewer against the mean of the paper's others). And every rating source side by side
+    (common/rating_sources.py: each model's parsed and read-out rating, the rating model's from
+    `rating`, their blend fitted on dev), `rating_sources` in eval.json, a table and a plot each."""
     gold = [float(np.mean(r["human_ratings"])) for r in premises]
     readouts = readouts or {}
-    per_reply, pairs = {}, {}
+    per_reply, pairs, per_model = {}, {}, {}
     for name, texts in replies.items():
         written = [parse_review(t) for t in texts]
         parsed = [w["overall"] for w in written]
@@ -446,6 +464,7 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
                             "confidence": w["confidence"], "human_rating": g}
                            for p, w, g in zip(parsed, written, gold)]
         pairs[name] = [(parsed[i], gold[i]) for i in ok]
+        per_model[name] = {"parsed": parsed, "readout": [None] * len(texts), "rating": parsed}
         if name in readouts:
             read = readouts[name]
             reading = "all_windows" if read and read[0].get("all_windows") else "first_window"
@@ -458,16 +477,26 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
             for row, value, r in zip(per_reply[name], final, read):
                 row.update(rating=value, rating_source=row["rating_source"] or "readout", readout=r)
             pairs[name] = list(zip(final, gold))
+            per_model[name].update(readout=[r[reading]["expected"] for r in read], rating=final)
     train_mean = float(np.mean([r["rating"] for r in load_split(pairs_run, "train")]))
     baselines = {"baseline_constant": {**baseline_constant(train_mean, gold, seed), "train_mean": train_mean},
                  "baseline_human": baseline_human([r["human_ratings"] for r in premises], seed)}
-    return {"baselines": baselines, "per_reply": per_reply, "sections": _rating_rows(replies, results, baselines),
-            "plots": lambda out_dir: _plots(out_dir, pairs)}
+    from common import rating_sources
+    sources = rating_sources.rating_sources(premises, per_model, rating, train_mean, seed)
+    for rows in per_reply.values() if rating and "rating_model" in rating else ():
+        for row, value in zip(rows, rating["rating_model"]):
+            row["rating_model"] = value
+    for row, info in zip(per_reply.get("rerank_by_rating", []), (rating or {}).get("reranked", [])):
+        row.update(candidate_ratings=info["candidate_ratings"], kept=info["kept"])
+    return {"baselines": {**baselines, "rating_sources": sources["sources"]}, "per_reply": per_reply,
+            "sections": _rating_rows(replies, results, baselines) + rating_sources.table_rows(sources["sources"]),
+            "plots": lambda out_dir: _plots(out_dir, pairs, sources["points"])}
 
 
-def _plots(out_dir, pairs):
+def _plots(out_dir, pairs, points):
+    from common.rating_sources import plot_sources
     from common.report import plot_ratings
-    return plot_ratings(out_dir, pairs)
+    return {**plot_ratings(out_dir, pairs), **plot_sources(out_dir, points)}
 
 
 def _rating_rows(replies, results, baselines) -> list[str]:
@@ -527,19 +556,19 @@ def windows(n_tokens: int, window_tokens: int, overlap: int) -> list[tuple[int, 
 # --- rating metrics ------------------------------------------------------------------------------
 
 def rating_metrics(pred, gold, seed: int | None = None, n_boot: int = 1000) -> dict:
-    """MAE, RMSE and Pearson r of predicted vs gold ratings; r is None when undefined (n < 2 or a
-    constant side), everything but n is None when n == 0. With a `seed`: each with its 95% bootstrap
+    """MAE, RMSE, Pearson r and Spearman rho of predicted vs gold ratings; r and rho are None when
+    undefined (n < 2 or a constant side), everything but n is None when n == 0. With a `seed`: each with its 95% bootstrap
     interval (`<key>_ci`, percentiles over `n_boot` resamples of the pairs)."""
     p, g = np.asarray(pred, float), np.asarray(gold, float)
     if p.shape != g.shape or p.ndim != 1:
         raise ValueError(f"pred and gold must be equally long lists, got {p.shape} and {g.shape}")
     if not len(p):
-        return {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "n": 0}
+        return {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "rating_spearman": None, "n": 0}
     out = {**_point(p, g), "n": len(p)}
     if seed is not None and len(p) >= 2:
         idx = np.random.default_rng(seed).integers(0, len(p), (n_boot, len(p)))
         draws = [_point(p[i], g[i]) for i in idx]
-        for key in ("rating_mae", "rating_rmse", "rating_pearson"):
+        for key in ("rating_mae", "rating_rmse", "rating_pearson", "rating_spearman"):
             values = [d[key] for d in draws if d[key] is not None]
             if out[key] is not None and len(values) >= n_boot // 2:
                 out[f"{key}_ci"] = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
@@ -549,7 +578,14 @@ def rating_metrics(pred, gold, seed: int | None = None, n_boot: int = 1000) -> d
 def _point(p: np.ndarray, g: np.ndarray) -> dict:
     defined = len(p) >= 2 and np.ptp(p) > 0 and np.ptp(g) > 0
     return {"rating_mae": float(np.abs(p - g).mean()), "rating_rmse": float(np.sqrt(((p - g) ** 2).mean())),
-            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None}
+            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None,
+            "rating_spearman": _spearman(p, g) if defined else None}
+
+
+def _spearman(p: np.ndarray, g: np.ndarray) -> float:
+    """Pearson r of the ranks (ties get their mean rank), as scipy's spearmanr."""
+    from scipy.stats import rankdata
+    return float(np.corrcoef(rankdata(p), rankdata(g))[0, 1])
 
 
 def baseline_constant(train_mean: float, gold, seed: int | None = None) -> dict:

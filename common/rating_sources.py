@@ -1,0 +1,228 @@
+"""Every rating stage 05 has for a paper, each measured the same way against the paper's mean reviewer
+rating (review task; docs/review.md, "Every rating source").
+
+Sources, per generating model M: `M_parsed` (the rating written in its review), `M_readout` (the
+model's expected rating read from its next-token distribution, common/readout.py) and `M_blend`;
+besides them `rating_model` (stage 03's rating model, `--rating_run`), `baseline_constant` (the train
+split's mean) and `baseline_human` (one reviewer against the mean of the paper's others). Each gets MAE,
+RMSE, Pearson and Spearman with 95% bootstrap intervals, `n`, `n_without_rating` (papers without a
+prediction or without a human rating: kept out, counted) and `mae_minus_constant`, the paired difference
+of its MAE to the constant's on the same papers, with its interval.
+
+The blend is a least-squares line through the model's rating (parsed where written, read out elsewhere)
+and the rating model's, with an intercept, fitted on the DEV papers of an Eval run on the dev split
+(`--rating_dev_run`) and only then applied to the scored papers: the scored papers never enter the fit.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from common.config import load_run_config
+from common.data import read_json, read_jsonl
+from common.runs import RunError
+
+
+def _gold(row: dict) -> float | None:
+    ratings = [r for r in row.get("human_ratings") or [] if r is not None]
+    return float(np.mean(ratings)) if ratings else None
+
+
+def source_metrics(pred, gold, constant: float, seed: int, n_boot: int = 1000) -> dict:
+    """One source's metrics on the papers where both it and the gold have a rating; the others are
+    counted (`n_without_rating`). `mae_minus_constant`: mean over those papers of |pred - gold| -
+    |constant - gold|, with a paired bootstrap interval (the same papers resampled for both)."""
+    from common.tasks.review import rating_metrics
+    keep = [i for i, (p, g) in enumerate(zip(pred, gold)) if p is not None and g is not None]
+    p, g = np.array([pred[i] for i in keep], float), np.array([gold[i] for i in keep], float)
+    out = {**rating_metrics(p.tolist(), g.tolist(), seed, n_boot), "n_without_rating": len(pred) - len(keep)}
+    diff = np.abs(p - g) - np.abs(constant - g)
+    out["mae_minus_constant"] = float(diff.mean()) if len(diff) else None
+    if len(diff) >= 2:
+        draws = diff[np.random.default_rng(seed).integers(0, len(diff), (n_boot, len(diff)))].mean(1)
+        out["mae_minus_constant_ci"] = [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
+    return out
+
+
+def fit_blend(features: dict[str, list], gold: list) -> dict:
+    """Least squares gold ~ intercept + sum_k w_k * feature_k on the rows where every feature and the gold
+    are present. Returns {"intercept", "weights": {feature: w}, "n_fit", "n_left_out"}."""
+    names = list(features)
+    rows = [i for i in range(len(gold)) if gold[i] is not None and all(features[k][i] is not None for k in names)]
+    if len(rows) < len(names) + 1:
+        raise RunError(f"the blend has {len(names) + 1} weights but only {len(rows)} dev papers with every rating "
+                       f"({', '.join(names)}): give a dev run of more papers")
+    X = np.array([[1.0] + [features[k][i] for k in names] for i in rows])
+    coef, *_ = np.linalg.lstsq(X, np.array([gold[i] for i in rows], float), rcond=None)
+    return {"intercept": float(coef[0]), "weights": dict(zip(names, map(float, coef[1:]))), "n_fit": len(rows),
+            "n_left_out": len(gold) - len(rows)}
+
+
+def apply_blend(blend: dict, features: dict[str, list], scale: tuple[float, float] = (1, 6)) -> list:
+    """The blend's rating of each paper, clipped to the rating scale (a line fitted on few dev papers can
+    reach past it); None where a feature is missing."""
+    n = len(next(iter(features.values())))
+    return [None if any(features[k][i] is None for k in blend["weights"]) else
+            float(np.clip(blend["intercept"] + sum(w * features[k][i] for k, w in blend["weights"].items()), *scale))
+            for i in range(n)]
+
+
+# --- stage 05's inputs ------------------------------------------------------------------------------
+
+# Fields a dev run must share with this eval for its ratings to be the same model's at the same decoding.
+SAME_AS_DEV = ("max_prompt_tokens", "max_new_tokens", "temperature", "repetition_penalty", "no_repeat_ngram_size",
+               "reading", "window_overlap", "seed")
+
+
+def dev_ratings(config, run) -> dict:
+    """--rating_dev_run: an Eval run of the dev split (same pairs run, same decoding): {model: {paper id:
+    the model's rating there}} for the models it shares with this run (base; sft when both evaluated the
+    same SFT run), and the dev papers' rows. Anything else is refused, naming the field."""
+    path = Path(config.rating_dev_run)
+    dev = load_run_config(path)
+    if dev.split != "dev" or dev.eval_data or dev.replies_from:
+        raise RunError(f"--rating_dev_run {path}: the blend is fitted on the dev papers; that run scored "
+                       f"{'its --eval_data files' if dev.eval_data else 'another run' if dev.replies_from else dev.split}")
+    for field in SAME_AS_DEV:
+        if getattr(dev, field) != getattr(config, field):
+            raise RunError(f"--rating_dev_run {path}: field '{field}' is {getattr(dev, field)!r} there but "
+                           f"{getattr(config, field)!r} here; the blend needs the same decoding and reading")
+    inputs, ours = read_json(path / "manifest.json").get("inputs", {}), run.manifest.get("inputs", {})
+    same_sft = "sft_run" in inputs and "sft_run" in ours and inputs["sft_run"].get("sha256") == ours["sft_run"].get("sha256")
+    models = {"base"} | ({"sft"} if same_sft else set())
+    out: dict[str, dict] = {}
+    for _, row in read_jsonl(path / "replies.jsonl"):
+        for name in models & set(row):
+            out.setdefault(name, {})[row["id"]] = row[name].get("rating")
+    return out
+
+
+def rating_inputs(config, run, premises: list[dict]) -> dict:
+    """Stage 05 with --rating_run (and --rating_dev_run): the rating model's prediction for every scored
+    paper and every dev paper of the dev run, and the dev run's ratings; the rating model must not have
+    trained on a scored paper."""
+    from common.data import load_split, one_per_group, premise_digest
+    from common.judges import train_posts
+    from common.rating_model import RatingModel
+    out = {"dev": dev_ratings(config, run) if config.rating_dev_run else {}}
+    dev_ids = {i for ratings in out["dev"].values() for i in ratings}
+    out["dev_rows"] = [r for r in one_per_group(load_split(config.pairs_run, "dev")) if r["id"] in dev_ids]
+    if config.rating_run:
+        posts, digests = train_posts(config.rating_run)
+        seen = [p["group_id"] for p in premises if p["group_id"] in posts or premise_digest(p) in digests]
+        if seen:
+            raise RunError(f"--rating_run {config.rating_run}: the rating model trained on {len(seen)} of the scored "
+                           f"papers (e.g. {seen[0]}); it must not rate papers it was trained on")
+        model = RatingModel.from_run(config.rating_run)
+        out["rating_model"] = model.predict(premises)
+        out["rating_model_dev"] = dict(zip([r["id"] for r in out["dev_rows"]], model.predict(out["dev_rows"])))
+        del model
+    return out
+
+
+def rerank_by_rating(sampled: list[str], n: int, predicted: list[float]) -> tuple[list[str], list[dict]]:
+    """n sampled reviews a paper (flat, paper by paper) -> the one whose written rating is nearest the rating
+    model's prediction for the paper (the first of equals; the first review when none writes a rating), and
+    per paper the candidates' ratings and the index kept."""
+    from common.tasks.review import parse_review
+    kept, info = [], []
+    for paper, target in enumerate(predicted):
+        candidates = sampled[paper * n:(paper + 1) * n]
+        written = [parse_review(c)["overall"] for c in candidates]
+        best = min(range(n), key=lambda i: (written[i] is None, abs(written[i] - target) if written[i] is not None else 0))
+        kept.append(candidates[best])
+        info.append({"candidate_ratings": written, "kept": best, "rating_model": target})
+    return kept, info
+
+
+# --- the sources, the table, the plots ------------------------------------------------------------
+
+def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], extra: dict | None,
+                   train_mean: float, seed: int) -> dict:
+    """{source: metrics} for every source (module docstring). `per_model`: {model: {"parsed": [...],
+    "readout": [...], "rating": [...]}} per scored paper (None where a model has none); `extra`: what
+    `rating_inputs` returned (or None)."""
+    from common.tasks.review import baseline_human
+    extra = extra or {}
+    gold = [_gold(p) for p in premises]
+    preds: dict[str, list] = {}
+    for model, values in per_model.items():
+        preds[f"{model}_parsed"] = values["parsed"]
+        if any(v is not None for v in values["readout"]):
+            preds[f"{model}_readout"] = values["readout"]
+    if "rating_model" in extra:
+        preds["rating_model"] = extra["rating_model"]
+    preds["baseline_constant"] = [train_mean] * len(premises)
+    out = {name: source_metrics(pred, gold, train_mean, seed) for name, pred in preds.items()}
+    blends = {}
+    for model, dev in (extra.get("dev") or {}).items():
+        if model not in per_model:
+            continue
+        dev_rows = [r for r in extra["dev_rows"] if r["id"] in dev]
+        features = {f"{model}_rating": [dev[r["id"]] for r in dev_rows]}
+        scored = {f"{model}_rating": per_model[model]["rating"]}
+        if "rating_model" in extra:
+            features["rating_model"] = [extra["rating_model_dev"][r["id"]] for r in dev_rows]
+            scored["rating_model"] = extra["rating_model"]
+        blend = fit_blend(features, [_gold(r) for r in dev_rows])
+        preds[f"{model}_blend"] = apply_blend(blend, scored)
+        out[f"{model}_blend"] = {**source_metrics(preds[f"{model}_blend"], gold, train_mean, seed), "blend": blend}
+        blends[model] = blend
+    humans = [p.get("human_ratings") or [] for p in premises]
+    out["baseline_human"] = {**baseline_human(humans, seed), "n_without_rating": sum(not h for h in humans)}
+    pairs = [(float(r), (sum(h) - r) / (len(h) - 1)) for h in humans if len(h) >= 2 for r in h]
+    points = {name: [(p, g) for p, g in zip(pred, gold) if p is not None and g is not None]
+              for name, pred in preds.items()}
+    points["baseline_human"] = pairs
+    return {"sources": out, "points": points}
+
+
+def table_rows(sources: dict) -> list[str]:
+    """report.md's table of every rating source."""
+    def ci(r, key):
+        value, interval = r.get(key), r.get(f"{key}_ci")
+        text = "n/a" if value is None else f"{value:.3f}"
+        return text + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if value is not None and interval else "")
+    rows = ["", "## Every rating source", "",
+            "Each source against the mean rating of the paper's reviewers, 95% bootstrap intervals over papers; "
+            "*MAE - constant*: the paired difference of its MAE to the train-mean constant's on the same papers "
+            "(below 0: better than the constant). A paper without a rating from a source (or without a human "
+            "rating) is left out of that source's row and counted. *blend*: a least-squares line through the "
+            "model's rating and the rating model's, fitted on the dev papers only (its weights below). "
+            "*baseline_human*: one reviewer against the mean of the paper's others (per reviewer).", "",
+            "| source | MAE | RMSE | Pearson r | Spearman rho | MAE - constant | n | without rating |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in sources.items():
+        rows.append(f"| {name} | {ci(r, 'rating_mae')} | {ci(r, 'rating_rmse')} | {ci(r, 'rating_pearson')} | "
+                    f"{ci(r, 'rating_spearman')} | {ci(r, 'mae_minus_constant')} | {r['n']} | "
+                    f"{r.get('n_without_rating', 0)} |")
+    for name, r in sources.items():
+        if "blend" in r:
+            b = r["blend"]
+            terms = " + ".join(f"{w:.3f} x {k}" for k, w in b["weights"].items())
+            rows.append(f"\n{name} = {b['intercept']:.3f} + {terms} (fitted on {b['n_fit']} dev papers)")
+    return rows
+
+
+def plot_sources(out_dir, points: dict[str, list[tuple[float, float]]]) -> dict:
+    """One scatter plot per source, `rating_<source>_scatter.png`: its rating against the human one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plots = {}
+    for name, pts in points.items():
+        fig, ax = plt.subplots(figsize=(4, 4), dpi=100)
+        ax.scatter([g for _, g in pts], [p for p, _ in pts], alpha=0.6, s=14)
+        ax.plot([1, 6], [1, 6], color="grey", linewidth=1)
+        ax.set_xlim(0.8, 6.2)
+        ax.set_ylim(0.8, 6.2)
+        ax.set_xlabel("mean of the other reviewers" if name == "baseline_human" else "human rating (reviewers' mean)")
+        ax.set_ylabel("one reviewer's rating" if name == "baseline_human" else f"{name}")
+        ax.set_title(f"{name} ({len(pts)})")
+        fig.tight_layout()
+        path = Path(out_dir) / f"rating_{name}_scatter.png"
+        fig.savefig(path)
+        plt.close(fig)
+        plots[f"Rating: {name}"] = path
+    return plots
