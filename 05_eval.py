@@ -79,7 +79,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     tokenizer = load_tokenizer(config)
     premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
     if config.eval_data:  # other posts or papers instead, none of the train or dev split's (common/eval_inputs.py)
-        premises, run.manifest["eval_data"] = eval_inputs.premises_from_files(config, task)
+        premises, run.manifest["eval_data"] = eval_inputs.premises_from_files(config, task, run)
     if not premises:
         raise DataError(f"{config.pairs_run}: its {config.split} split holds no premises to score")
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]

@@ -5,18 +5,29 @@ again by other judges (`--replies_from`).
 Files are read as stage 01 reads its rows, with the pairs run's own settings (premise_words,
 review_target, ...), so that a post or paper it holds gets the same premise text here: the reader
 (common/data.read_jsonl), the bad-row policy (`--skip_bad_rows`), the drop reasons and the counts
-are stage 01's. A row whose post or paper is in the pairs run's train or dev split, by id or by the
-digest of its premise text, was trained on (or picked a checkpoint): it is refused, or dropped and
-counted with `--skip_overlap true`.
+are stage 01's. A row whose post or paper is in the pairs run's train, dev or dev_later split, by id,
+by the digest of its normalised premise text (common/data.normalise_text), or as a near duplicate
+(word-shingle Jaccard >= NEAR_DUPLICATE_JACCARD), was trained on (or picked a checkpoint or a judge):
+it is refused, or dropped and counted with `--skip_overlap true`.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import Counter
 from pathlib import Path
 
 from common.config import ConfigError, load_run_config
-from common.data import DataError, SeenRows, load_split, one_per_group, premise_digest, read_json, read_jsonl
+from common.data import (
+    DataError,
+    NearDuplicates,
+    SeenRows,
+    load_split,
+    one_per_group,
+    premise_digest,
+    read_json,
+    read_jsonl,
+)
 from common.runs import RunError, check_input
 
 # What made a finished eval run's replies and what they answer: --replies_from takes them from that
@@ -56,19 +67,26 @@ def source_settings(config, overrides: dict):
     return dataclasses.replace(config, **taken, eval_data=files, pairs_run=config.pairs_run or manifest["pairs_run"])
 
 
-def premises_from_files(config, task) -> tuple[list[dict], dict]:
+def premises_from_files(config, task, run=None) -> tuple[list[dict], dict]:
     """--eval_data: one premise per post or paper of the files (its real replies or reviews as
     references, as stage 01 builds them), the first max_premises of them, and the accounting:
     per file n_input_rows, n_rows_used, dropped (reason -> count, `overlap_train_dev` among them),
-    input_units; n_premises (all) and n_scored."""
+    renamed_ids, input_units; n_premises (all) and n_scored. With `run`, each file's input record
+    takes the sha256 of the bytes read here (the file may have changed since the run started)."""
     pairs = load_run_config(config.pairs_run)  # its rows are read as the pairs run read its own
-    trained = load_split(config.pairs_run, "train") + load_split(config.pairs_run, "dev")
-    posts, texts = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}
+    if getattr(pairs, "split_by", None) == "period":  # new posts need no period: none of them is split here
+        pairs = dataclasses.replace(pairs, split_by="post", test_fraction=0.1)
+    # dev_later too: judges and recipes were chosen on it, so it is no more held out than dev
+    trained = [r for split in ("train", "dev", "dev_later") for r in _split_if_any(config.pairs_run, split)]
+    posts, texts, near = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}, NearDuplicates()
+    for r in trained:
+        near.add(r["group_id"], task.display(r))  # the premise itself, not the instruction around it
     nouns = task.NOUNS["premises"]
     examples, seen, files = [], SeenRows(), []
-    for path in config.eval_data:
+    for i, path in enumerate(config.eval_data):
         n_rows, n_used, dropped, units, overlap = 0, 0, Counter(), Counter(), []
-        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
+        renamed_before, digest = seen.renamed, hashlib.sha256()
+        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows, digest=digest):  # damage always raises
             n_rows += 1
             try:
                 made = "bad_row" if row is None and config.skip_bad_rows else task.rows_from(row, where, pairs)
@@ -78,7 +96,8 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
                 made = "bad_row"
             if isinstance(made, str):
                 reason = made
-            elif any(e["group_id"] in posts or premise_digest(e) in texts for e in made):
+            elif any(e["group_id"] in posts or premise_digest(e) in texts for e in made) or \
+                    any(near.find(task.display(e)) for e in made[:1]):
                 reason = OVERLAP
                 overlap.append(made[0]["group_id"])
             else:
@@ -95,17 +114,26 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
         if not n_rows:
             raise DataError(f"{path}: no rows (the file is empty or holds only blank lines): nothing to score")
         if overlap and not config.skip_overlap:
-            raise DataError(f"{path}: {len(overlap)} of its {n_rows} rows are {nouns} of the pairs run's train or "
-                            f"dev split (by id or by premise text; e.g. {overlap[0]}): the models trained on them. "
+            raise DataError(f"{path}: {len(overlap)} of its {n_rows} rows are {nouns} of the pairs run's train, "
+                            f"dev or dev_later split (by id, by normalised premise text, or a near duplicate of "
+                            f"one; e.g. {overlap[0]}): the models trained on them, or were chosen on them. "
                             f"Give other {nouns}, or --skip_overlap true to drop those rows")
+        if run is not None:
+            run.manifest["inputs"][f"eval_data[{i}]"]["sha256"] = digest.hexdigest()
         files.append({"path": str(Path(path).resolve()), "n_input_rows": n_rows, "n_rows_used": n_used,
-                      "dropped": dict(sorted(dropped.items())), "input_units": dict(sorted(units.items()))})
+                      "dropped": dict(sorted(dropped.items())), "renamed_ids": seen.renamed - renamed_before,
+                      "input_units": dict(sorted(units.items()))})
     premises = one_per_group(examples)
     if not premises:
         raise DataError(f"{', '.join(config.eval_data)}: no {nouns} left to score (dropped: "
                         f"{'; '.join(str(f['dropped']) for f in files)})")
     return premises[: config.max_premises], {"files": files, "n_premises": len(premises),
                                              "n_scored": min(len(premises), config.max_premises)}
+
+
+def _split_if_any(pairs_run, split: str) -> list[dict]:
+    """A split's rows; none where the pairs run has no such file (dev_later: split by period only)."""
+    return load_split(pairs_run, split) if (Path(pairs_run) / f"{split}.jsonl").is_file() else []
 
 
 def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:

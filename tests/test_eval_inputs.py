@@ -110,3 +110,70 @@ def test_a_judge_trained_on_a_scored_premise_is_refused_on_other_files_and_on_re
         line = proc.stderr.strip().splitlines()[-1]
         assert line.startswith(f"error: --judge_runs {judge}: judge {judge.name} trained on ") and \
             "premises it would score" in line, line
+
+
+# --- the overlap check compares what a reader sees, not bytes --------------------------------------
+
+def _source_rows(posts) -> list[dict]:
+    with gzip.open("data/cmv/cmv_pairs.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [row for row in map(json.loads, f) if row["op_id"] in posts]
+
+
+def _premises(pairs_run, path, *flags):
+    from common.cli import parse_config
+    from common.config import EvalConfig
+    from common.eval_inputs import premises_from_files
+    from common.tasks import cmv as task
+    config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs_run), "--eval_data", str(path),
+                                          *flags])
+    return premises_from_files(config, task)
+
+
+def _disguise(text: str, how: str) -> str:
+    words = text.split(" ")
+    return {"doubled_space": "  ".join(words), "crlf": text.replace("\n", "\r\n").replace(". ", ".\r\n"),
+            "nbsp": "\u00a0".join(words), "zero_width": text.replace("a", "a\u200b"),
+            "upper": text.upper(), "blank_lines": text.replace(". ", ".\n \n"),
+            "one_word_changed": " ".join(words[:10] + ["otherword"] + words[11:]),
+            "sentence_added": text + " And one more sentence at the end."}[how]
+
+
+@pytest.mark.parametrize("how", ["doubled_space", "crlf", "nbsp", "zero_width", "upper", "blank_lines",
+                                 "one_word_changed", "sentence_added"])
+@pytest.mark.parametrize("split", ["train", "dev"])
+def test_a_trained_post_in_disguise_under_a_new_id_is_not_held_out(pairs_run, tmp_path, how, split):
+    from common.data import DataError
+    source = [r for r in _source_rows({r["group_id"] for r in load_split(pairs_run, split)})
+              if len((r["op_text"] or "").split()) > 40]
+    rows = [{**r, "op_id": f"new-{r['op_id']}", "pair_id": f"new-{r['pair_id']}",
+             "op_text": _disguise(r["op_text"], how)} for r in source[:1]]
+    path = tmp_path / "disguised.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"1 of its 1 rows are premises of the pairs run's train, dev or dev_later"):
+        _premises(pairs_run, path)
+    with pytest.raises(DataError, match="no premises left to score"):  # dropped as overlap, nothing left
+        _premises(pairs_run, path, "--skip_overlap", "true")
+
+
+def test_normalised_text_ignores_what_a_reader_does_not_see():
+    import unicodedata
+
+    from common.data import normalise_text
+    text = "Café  rules.\r\nThe\u00a0second\u200b line\n \n ends HERE"
+    assert normalise_text(text) == normalise_text(unicodedata.normalize("NFD", text)) == \
+        "café rules. the second line ends here"
+    assert normalise_text("a b") != normalise_text("a c")
+
+
+def test_unseen_posts_pass_the_overlap_check_and_the_file_digest_is_of_what_was_read(pairs_run, tmp_path):
+    from common.data import read_jsonl
+    test_posts = list(dict.fromkeys(r["group_id"] for r in load_split(pairs_run, "test")))[:3]
+    rows = _source_rows(set(test_posts))
+    path = tmp_path / "test_posts.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    premises, accounting = _premises(pairs_run, path)
+    assert {p["group_id"] for p in premises} == set(test_posts)
+    digest = hashlib.sha256()
+    assert len(list(read_jsonl(path, digest=digest))) == len(rows)
+    assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()

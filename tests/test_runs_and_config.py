@@ -166,3 +166,45 @@ def test_an_earlier_runs_config_is_read_under_the_new_names(tmp_path):
     (run / "config.yaml").write_text("pairs_run: p\nmodel_name_or_path: m\npadding_free: true\nshared_prompt: false\n")
     config = load_run_config(run)
     assert config.padding_free and config.prompt_once_per_pair is False
+
+
+# --- lineage by content ------------------------------------------------------------------------------
+
+def _pairs_run(path, rows: str):
+    """A finished pairs run holding `rows` as its test split, its artifacts recorded."""
+    from common.provenance import artifact_digests
+    path.mkdir()
+    (path / "test.jsonl").write_text(rows)
+    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "stage": "Pairs", "task": "cmv",
+                                                    "artifacts": artifact_digests(path)}))
+    (path / "DONE").write_text("")
+    return path
+
+
+def _child(tmp_path, stage, name, inputs):
+    """A finished run of `stage` made by Run itself from `inputs` (no base: none is loaded)."""
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs"), "--run_name", name])
+    run = Run(stage, config, {}, inputs=inputs, argv=["test"])
+    run.finish({})
+    return run.dir
+
+
+@pytest.mark.parametrize("rebuilt", ['{"a": 2}\n', '{"a": 1}\n\n', '{"b": 1}\n'])
+def test_a_pairs_run_rebuilt_at_the_same_path_is_another_lineage(tmp_path, rebuilt):
+    import shutil
+    pairs = _pairs_run(tmp_path / "P", '{"a": 1}\n')
+    sft = _child(tmp_path, "SFT", "S", {"pairs_run": pairs})
+    assert json.loads((sft / "manifest.json").read_text())["pairs_run_sha256"]
+    policy = _child(tmp_path, "GRPO", "G", {"sft_run": sft})  # inherits the pairs run: recorded by content too
+    shutil.rmtree(pairs)
+    _pairs_run(pairs, rebuilt)  # another seed or other data, the same path
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
+    with pytest.raises(RunError, match="different contents of one pairs run path.*--sft_run"):
+        Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": sft}, argv=["test"])
+    with pytest.raises(RunError, match=f"pairs run {pairs} is not the one the input runs were trained on"):
+        Run("DPO", config, {}, inputs={"sft_run": sft}, argv=["test"])  # the pairs run inherited, not given
+    with pytest.raises(RunError, match="different contents"):
+        Run("Eval", config, {}, inputs={"pairs_run": pairs, "policy_runs[0]": policy}, argv=["test"])
+    # A run made on the rebuilt pairs run is accepted with it.
+    fresh = _child(tmp_path, "SFT", "S2", {"pairs_run": pairs})
+    Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": fresh}, argv=["test"])
