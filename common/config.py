@@ -57,7 +57,8 @@ class RunArgs:
 
     runs_dir: str = arg("runs", "folder the run directory is created in")
     run_name: str | None = arg(None, "name of the run directory (one path component); default <Mon><DD>_<Stage>_Run<N>")
-    seed: int = arg(42, "seed of every random choice (data order, sampling, initialisation)")
+    seed: int = arg(42, "seed of every random choice (data order, sampling, initialisation); 0 to 2^32 - 1, as "
+                    "numpy takes it", ge=0, le=2**32 - 1)
     report_to: Literal["wandb", "none"] = arg("none", "wandb: log to Weights & Biases (offline without WANDB_API_KEY)")
     wandb_project: str = arg("persuasion-pipeline", "W&B project")
     wandb_group: str | None = arg(None, "W&B group; default inherited from the input runs (one group per pipeline)")
@@ -486,7 +487,7 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     best_of_n: int = arg(
         0, "> 1: add the model best_of_n: this many replies a premise sampled from the SFT model (the base without "
         "--sft_run) at best_of_n_temperature, the training judge's best kept; no training: the baseline practice "
-        "must beat. 0: off", ge=0)
+        "must beat. 0: off; at most 64", ge=0, le=64)
     best_of_n_temperature: float = arg(0.7, "best_of_n: the sampling temperature of its candidates", gt=0)
 
     eval_data: list[str] = arg(

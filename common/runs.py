@@ -232,7 +232,11 @@ def hold_lock(run_dir: Path):
     """An exclusive lock on the run directory for as long as this process runs it (the open file is
     the lock; the system releases it when the process ends, however it ends). Two processes training
     one run would both exit 0 with one manifest recording only one of them."""
-    lock = open(run_dir / LOCK, "a")
+    try:
+        lock = open(run_dir / LOCK, "a")
+    except OSError as err:  # a read-only file system, a lock file that is a folder, no permission
+        raise RunError(f"cannot open {run_dir / LOCK} to lock the run ({err.strerror or err}): the run directory "
+                       f"must be writable (a read-only file system cannot hold a running run)") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

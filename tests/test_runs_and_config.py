@@ -208,3 +208,31 @@ def test_a_pairs_run_rebuilt_at_the_same_path_is_another_lineage(tmp_path, rebui
     # A run made on the rebuilt pairs run is accepted with it.
     fresh = _child(tmp_path, "SFT", "S2", {"pairs_run": pairs})
     Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": fresh}, argv=["test"])
+
+
+# --- bounds that stop a traceback or an allocation before it happens --------------------------------
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**40), "-99999"])
+@pytest.mark.parametrize("recipe", ["01_build_pairs", "02_train_sft", "03_train_reward", "04_train_grpo", "04_train_dpo",
+                                    "05_eval"])
+def test_a_seed_numpy_cannot_take_is_refused_by_every_stage(recipe, seed):
+    from common.config import STAGE_CONFIGS
+    cls = STAGE_CONFIGS[_STAGES[recipe]]
+    inputs = {"01": [], "02": ["--pairs_run", "p"], "03": ["--pairs_run", "p"], "04": ["--sft_run", "s", "--reward_run",
+              "r"] if "grpo" in recipe else ["--sft_run", "s"], "05": ["--pairs_run", "p"]}[recipe[:2]]
+    with pytest.raises(ConfigError, match="field 'seed'"):
+        parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *inputs, "--seed", seed])
+    config, _ = parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *inputs, "--seed", str(2**32 - 1)])
+    assert config.seed == 2**32 - 1
+
+
+_STAGES = {"01_build_pairs": "Pairs", "02_train_sft": "SFT", "03_train_reward": "Reward", "04_train_grpo": "GRPO",
+           "04_train_dpo": "DPO", "05_eval": "Eval"}
+
+
+@pytest.mark.parametrize("n", [65, 10**9, 2**62])
+def test_best_of_n_is_bounded_before_anything_is_allocated(tmp_path, n):
+    from conftest import error_line, run_in_process
+    proc = run_in_process("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p", "--reward_run", "r",
+                          "--best_of_n", str(n), "--runs_dir", tmp_path / "runs")
+    assert "field 'best_of_n'" in error_line(proc, tmp_path / "runs")
