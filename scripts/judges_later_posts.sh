@@ -43,7 +43,8 @@ done
 wait_for_all
 judges=()
 for name in "${!CANDIDATES[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
-mapfile -t two < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
+best2=$("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
+mapfile -t two <<<"$best2"
 "$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" \
   --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json"
