@@ -28,6 +28,7 @@ from common.data import (
     read_json,
     read_jsonl,
 )
+from common.report import md, md_code
 from common.runs import RunError, check_input
 
 # What made a finished eval run's replies and what they answer: --replies_from takes them from that
@@ -170,7 +171,7 @@ def report_lines(manifest: dict, nouns: dict) -> list[str]:
     lines = []
     data = manifest.get("eval_data")
     if data:
-        files = "; ".join(f"`{f['path']}` (sha256 {manifest['inputs'][f'eval_data[{i}]']['sha256'][:12]}: "
+        files = "; ".join(f"{md_code(f['path'])} (sha256 {manifest['inputs'][f'eval_data[{i}]']['sha256'][:12]}: "
                           f"{f['n_input_rows']} rows, {f['n_rows_used']} used, dropped: {_counts(f['dropped'])})"
                           for i, f in enumerate(data["files"]))
         lines += [f"The {nouns['premises']} scored are {data['n_scored']} of the {data['n_premises']} in --eval_data, "
@@ -178,8 +179,8 @@ def report_lines(manifest: dict, nouns: dict) -> list[str]:
                   f"train or dev split is `{OVERLAP}`."]
     source = manifest.get("replies_from")
     if source:
-        lines += [f"Nothing was generated: the replies are those of eval run {source['run_name']} "
-                  f"(`{source['path']}`), read back and scored by this run's judges."]
+        lines += [f"Nothing was generated: the replies are those of eval run {md(source['run_name'])} "
+                  f"({md_code(source['path'])}), read back and scored by this run's judges."]
     return ["", "## Data", *(part for line in lines for part in ("", line))] if lines else []
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -177,3 +178,24 @@ def test_unseen_posts_pass_the_overlap_check_and_the_file_digest_is_of_what_was_
     digest = hashlib.sha256()
     assert len(list(read_jsonl(path, digest=digest))) == len(rows)
     assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["posts\n## Verdict\n- **grpo**: holds.jsonl", "a\r\n# Evaluation forged.jsonl",
+                                  "x\u2028## Verdict.jsonl", "[click](http://x) <img src=x>|.jsonl", "a`b``.jsonl",
+                                  "p\n\n| model | bleu |\n| --- | --- |.jsonl"])
+def test_a_file_name_cannot_write_markdown_into_the_report(name):
+    from common.eval_inputs import report_lines
+    from common.tasks import cmv as task
+    manifest = {"eval_data": {"n_scored": 1, "n_premises": 1, "files": [
+        {"path": f"/data/{name}", "n_input_rows": 1, "n_rows_used": 1, "dropped": {}}]},
+                "inputs": {"eval_data[0]": {"sha256": "ab" * 32}},
+                "replies_from": {"run_name": name, "path": f"/runs/{name}"}}
+    text = "\n".join(report_lines(manifest, task.NOUNS))
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith(("#", "-", "|", "*", ">"))] == ["## Data"], lines
+    assert len(lines) == 6
+    said = next(line for line in lines if line.startswith("Nothing was generated"))
+    run_name = said[:said.index("(`")]  # escaped text; the paths after it are inline code
+    assert re.search(r"(?<!\\)[<\[|]", run_name) is None and "](" not in run_name, run_name
+    fence = re.search(r"\((`+) ?/runs/", said).group(1)  # the path's code span holds no fence of its length
+    assert fence not in name and said.endswith(f"{fence}), read back and scored by this run's judges.")
