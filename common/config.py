@@ -205,6 +205,16 @@ class PairsConfig(RunArgs):
         "merged", "review task: one target per paper, ratings averaged over its reviewers (merged), or one "
         "target per official review with its own rating (per_review); docs/review.md")
 
+    def check_given(self, given: set[str]) -> None:
+        """Fields set in the YAML or on the command line that this config does not use: refused even at
+        their default value (check() sees only the values, so an explicit 0.1 would slip through)."""
+        if self.split_by == "period" and "test_fraction" in given:
+            raise ConfigError("field 'test_fraction' is not used with split_by period (the test split is the "
+                              "later period's posts): leave it out", "test_fraction")
+        if self.split_by == "post" and "later_dev_fraction" in given:
+            raise ConfigError("field 'later_dev_fraction' is for split_by period (a share of the later period's "
+                              "posts): leave it out", "later_dev_fraction")
+
     def check(self):
         if self.split_by == "period" and self.task != "cmv":
             raise ConfigError(f"field 'split_by': period needs rows that carry their source's period "

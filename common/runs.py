@@ -274,6 +274,9 @@ def check_input(name: str, path) -> dict | None:
 
 def require_done(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise RunError(f"input {run_dir} is a file, not a run directory: give the folder a stage wrote "
+                       f"(it holds manifest.json and DONE)")
     if not run_dir.is_dir():
         raise RunError(f"input {run_dir} does not exist (no such file or run directory)")
     if not (run_dir / "DONE").exists():

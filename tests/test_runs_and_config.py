@@ -236,3 +236,51 @@ def test_best_of_n_is_bounded_before_anything_is_allocated(tmp_path, n):
     proc = run_in_process("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p", "--reward_run", "r",
                           "--best_of_n", str(n), "--runs_dir", tmp_path / "runs")
     assert "field 'best_of_n'" in error_line(proc, tmp_path / "runs")
+
+
+# --- messages that name what is wrong -----------------------------------------------------------------
+
+@pytest.mark.parametrize("field", ["sft_run", "pairs_run", "policy_runs[0]"])
+def test_a_file_given_as_a_run_is_named_a_file(tmp_path, field):
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
+    given = tmp_path / "manifest.json"
+    given.write_text("{}")
+    with pytest.raises(RunError, match=f"input {given} is a file, not a run directory"):
+        Run("Eval", config, {}, inputs={field: given}, argv=["test"])
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+@pytest.mark.parametrize("value", ["0.1", "0.2", "0.0"])
+def test_test_fraction_with_split_by_period_is_refused_even_at_its_default(tmp_path, where, value):
+    from common.config import PairsConfig
+    if where == "yaml":
+        path = tmp_path / "p.yaml"
+        path.write_text(f"task: cmv\ndata: [d.jsonl]\nsplit_by: period\ntest_fraction: {value}\n")
+        argv = ["--config", str(path)]
+    else:
+        argv = ["--config", "configs/smol/01_build_pairs.yaml", "--test_fraction", value]
+    with pytest.raises(ConfigError, match="field 'test_fraction' is not used with split_by period"):
+        parse_config(PairsConfig, argv)
+    config, _ = parse_config(PairsConfig, ["--config", "configs/smol/01_build_pairs.yaml"])  # left out: fine
+    assert config.split_by == "period"
+
+
+@pytest.mark.parametrize("writes", [1, 10_000])
+def test_a_full_disk_names_the_run_directory_when_the_error_names_no_file(tmp_path, monkeypatch, writes, capsys):
+    from common.cli import cli
+
+    def main(config, overrides):
+        run = Run("SFT", config, overrides, argv=["test"])
+        with open("/dev/full", "w") as f:  # a write that fails as on a full disk: no file name in the error
+            for _ in range(writes):
+                f.write("x" * 100)
+        run.finish({})
+    monkeypatch.setattr("sys.argv", ["stage", "--runs_dir", str(tmp_path / "runs"), "--run_name", "full"])
+    with pytest.raises(SystemExit) as exit_:
+        cli(main, DemoConfig)
+    import logging
+    for handler in logging.getLogger().handlers[:]:
+        if isinstance(handler, logging.FileHandler):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    assert str(exit_.value.code).startswith(f"error: writing in {tmp_path / 'runs' / 'full'}: No space left on device")
