@@ -199,3 +199,36 @@ def test_a_file_name_cannot_write_markdown_into_the_report(name):
     assert re.search(r"(?<!\\)[<\[|]", run_name) is None and "](" not in run_name, run_name
     fence = re.search(r"\((`+) ?/runs/", said).group(1)  # the path's code span holds no fence of its length
     assert fence not in name and said.endswith(f"{fence}), read back and scored by this run's judges.")
+
+
+@pytest.fixture(scope="module")
+def period_pairs(tmp_path_factory):
+    from conftest import run_in_process
+    runs = tmp_path_factory.mktemp("period")
+    proc = run_in_process("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--split_by", "period",
+                          "--runs_dir", runs)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir_of(proc)
+
+
+@pytest.mark.parametrize("drop", [(), ("source_split",), ("source_split", "pair_id")])
+def test_new_posts_without_a_period_are_scored_against_a_period_pairs_run(period_pairs, tmp_path, drop):
+    test_posts = list(dict.fromkeys(r["group_id"] for r in load_split(period_pairs, "test")))[:2]
+    rows = [{k: v for k, v in r.items() if k not in drop} for r in _source_rows(set(test_posts))]
+    path = tmp_path / "new_posts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    premises, accounting = _premises(period_pairs, path)
+    assert {p["group_id"] for p in premises} == set(test_posts) and accounting["files"][0]["n_rows_used"] == len(rows)
+
+
+@pytest.mark.parametrize("keep_id", [True, False])
+def test_dev_later_posts_are_not_held_out_through_eval_data(period_pairs, tmp_path, keep_id):
+    from common.data import DataError
+    posts = list(dict.fromkeys(r["group_id"] for r in load_split(period_pairs, "dev_later")))[:2]
+    assert posts
+    rows = [r if keep_id else {**r, "op_id": "x" + r["op_id"], "pair_id": "x" + r["pair_id"]}
+            for r in _source_rows(set(posts))]
+    path = tmp_path / "dev_later_posts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match="train, dev or dev_later split"):
+        _premises(period_pairs, path)
