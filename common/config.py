@@ -517,9 +517,9 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if self.eval_data and self.split != "test":
             raise ConfigError("field 'split' is not used with eval_data (its files are scored instead): leave it out",
                               "split")
-        if self.replies_from and not (self.reward_run or self.judge_runs):
-            raise ConfigError("replies_from: give the judges that score its replies (--judge_runs, --reward_run)",
-                              "replies_from")
+        if self.replies_from and not (self.reward_run or self.judge_runs or self.crossfit_judge_runs):
+            raise ConfigError("replies_from: give the judges that score its replies (--judge_runs, --reward_run, "
+                              "--crossfit_judge_runs)", "replies_from")
         if self.replies_from and (self.sft_run or self.policy_runs):
             raise ConfigError("replies_from: the models are those of that run, whose replies are read back; give no "
                               "sft_run or policy_runs", "replies_from")

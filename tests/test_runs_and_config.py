@@ -284,3 +284,15 @@ def test_a_full_disk_names_the_run_directory_when_the_error_names_no_file(tmp_pa
             logging.getLogger().removeHandler(handler)
             handler.close()
     assert str(exit_.value.code).startswith(f"error: writing in {tmp_path / 'runs' / 'full'}: No space left on device")
+
+
+@pytest.mark.parametrize("judges, ok", [(["--crossfit_judge_runs", "a", "b"], True), (["--judge_runs", "j"], True),
+                                        (["--reward_run", "r"], True), ([], False)])
+def test_replies_from_takes_any_judge_a_cross_fit_included(judges, ok):
+    from common.config import EvalConfig
+    argv = ["--config", "configs/tiny/05_eval.yaml", "--replies_from", "runs/E", *judges]
+    if ok:
+        assert parse_config(EvalConfig, argv)[0].replies_from == "runs/E"
+    else:
+        with pytest.raises(ConfigError, match="replies_from: give the judges"):
+            parse_config(EvalConfig, argv)
