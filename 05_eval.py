@@ -73,6 +73,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
     adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
+    other_sft = eval_inputs.other_sft_starts(run, adapters)  # policies whose "vs SFT" is not against their start
     run.start_tracking()
 
     # 2. Held-out premises: one per original post or paper, with its real replies as references.
@@ -157,6 +158,10 @@ def main(config: EvalConfig, overrides: dict) -> None:
     results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
                       "reply_words_mean": sum(words[name]) / max(1, len(texts)), **reply_shape(shown, texts)}
                for name, texts in replies.items()}
+    for model, their in other_sft.items():
+        results[model]["vs_sft_started_from"] = their
+        log.warning("%s started from SFT run %s, not --sft_run %s: its vs-SFT numbers compare it with another "
+                    "model", model, their, config.sft_run)
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in {**judge_runs, **({crossfit.name: crossfit} if crossfit else {})}.items():  # one at a time
@@ -207,7 +212,8 @@ def main(config: EvalConfig, overrides: dict) -> None:
     log_plots_to_wandb(plots)
     sections = task_report["sections"] + (judges_section(results, judges, gain_lines(results, judges))
                                           if config.judge_runs or crossfit else [])
-    sections = eval_inputs.report_lines(run.manifest, task.NOUNS) + sections  # what was scored, when not the split
+    sections = eval_inputs.report_lines(run.manifest, task.NOUNS) + sections
+    sections = [part for line in eval_inputs.other_sft_lines(other_sft, config.sft_run) for part in ("", line)] + sections  # what was scored, when not the split
     headline = verdict_lines(results, judges)  # the report and the summary open with it
     report = write_report(run.dir / "report.md", run.dir.name, results, premises, replies, rewards,
                           config.n_report_samples, plots, verdict, sections,

@@ -165,6 +165,27 @@ def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
     return replies, readouts, speed
 
 
+def other_sft_starts(run, adapters: dict) -> dict[str, str]:
+    """{model: the SFT run it started from} for each policy that started from another SFT run than
+    --sft_run (by the digest its manifest recorded): its "vs SFT" compares it with a model it never
+    started from. eval.json flags it (`vs_sft_started_from`) and report.md says so."""
+    ours = (run.manifest["inputs"].get("sft_run") or {}).get("sha256")
+    out = {}
+    for i, path in enumerate(run.config.policy_runs):
+        manifest = run.inputs[f"policy_runs[{i}]"]
+        theirs = (manifest.get("inputs") or {}).get("sft_run")
+        model = next(name for name, folder in adapters.items() if folder == Path(path) / "adapter")
+        if ours and theirs and theirs.get("sha256") != ours:
+            out[model] = theirs.get("run_name") or theirs.get("path")
+    return out
+
+
+def other_sft_lines(others: dict, sft_run) -> list[str]:
+    """report.md's line for each policy that started from another SFT run than the one compared with."""
+    return [f"**{md(model)} started from SFT run {md(their)}, not from --sft_run {md(Path(sft_run).name)}**: its win "
+            f"rate vs SFT compares it with a model it never started from." for model, their in others.items()]
+
+
 def report_lines(manifest: dict, nouns: dict) -> list[str]:
     """report.md's account of what was scored when it is not the pairs run's test split: the files
     (sha256, rows read, used and dropped), and the eval run whose replies were read back."""

@@ -232,3 +232,39 @@ def test_dev_later_posts_are_not_held_out_through_eval_data(period_pairs, tmp_pa
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError, match="train, dev or dev_later split"):
         _premises(period_pairs, path)
+
+
+@pytest.mark.parametrize("started_from, flagged", [("A", True), ("B", False), (None, False)])
+def test_a_policy_compared_with_an_sft_it_never_started_from_is_flagged(tmp_path, started_from, flagged):
+    from common.cli import parse_config
+    from common.config import EvalConfig
+    from common.eval_inputs import other_sft_lines, other_sft_starts
+    from common.provenance import artifact_digests
+    from common.runs import Run
+    pairs = tmp_path / "P"
+    pairs.mkdir()
+    (pairs / "test.jsonl").write_text("{}\n")
+    (pairs / "manifest.json").write_text(json.dumps({"run_name": "P", "stage": "Pairs", "task": "cmv",
+                                                     "artifacts": artifact_digests(pairs)}))
+    (pairs / "DONE").write_text("")
+
+    def made(stage, name, inputs, **extra):
+        config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs), "--runs_dir",
+                                              str(tmp_path / "runs"), "--run_name", name])
+        run = Run(stage, config, {}, inputs=inputs, argv=["test"])
+        run.manifest.update(extra)
+        (run.dir / "adapter").mkdir()
+        (run.dir / "adapter" / "w").write_text(name)
+        run.finish({})
+        return run.dir
+    sft = {n: made("SFT", n, {"pairs_run": pairs}) for n in ("A", "B")}
+    policy = made("GRPO", "G", {"sft_run": sft[started_from]} if started_from else {"pairs_run": pairs},
+                  started_from="sft" if started_from else "base")
+    config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs), "--sft_run", str(sft["B"]),
+                                          "--policy_runs", str(policy), "--runs_dir", str(tmp_path / "runs")])
+    run = Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": sft["B"], "policy_runs[0]": policy},
+              argv=["test"])
+    others = other_sft_starts(run, {"sft": sft["B"] / "adapter", "grpo": policy / "adapter"})
+    assert others == ({"grpo": "A"} if flagged else {})
+    lines = other_sft_lines(others, config.sft_run)
+    assert len(lines) == flagged and all("started from SFT run A, not from --sft_run B" in line for line in lines)
