@@ -93,7 +93,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     judges = describe_judges(
         judge_runs, Path(config.reward_run).name if config.reward_run else None, premises,
         {r["group_id"] for r in load_split(config.pairs_run, "train")} if config.judge_runs else set(),
-        {name: load_run_config(path) for name, path in judge_runs.items()})
+        {name: load_run_config(path) for name, path in judge_runs.items()}, eval_inputs.judges_trained_against(run))
     # 2c. A cross-fit's k fold judges (--crossfit_judge_runs) as one judge: each premise is scored by the
     #     fold judge that never trained on its post (common/judges.py CrossFitScorer).
     crossfit = CrossFitScorer(config.crossfit_judge_runs, premises, prompts, config.pairs_run, taken=judges) \

@@ -180,6 +180,22 @@ def other_sft_starts(run, adapters: dict) -> dict[str, str]:
     return out
 
 
+def judges_trained_against(run) -> dict[str, list[str]]:
+    """{judge run name: the evaluated policies that trained against it}, from each policy's manifest (its
+    `reward_run` input's digest against each judge's): a judge a policy trained against is not held
+    out for it, whichever field it was given in."""
+    fields = {**({"reward_run": run.config.reward_run} if run.config.reward_run else {}),
+              **{f"judge_runs[{j}]": p for j, p in enumerate(run.config.judge_runs)}}
+    digests = {Path(path).name: run.manifest["inputs"][field]["sha256"] for field, path in fields.items()}
+    out = {name: [] for name in digests}
+    for i, path in enumerate(run.config.policy_runs):
+        theirs = (run.inputs[f"policy_runs[{i}]"].get("inputs") or {}).get("reward_run") or {}
+        for name, digest in digests.items():
+            if theirs.get("sha256") == digest:
+                out[name].append(Path(path).name)
+    return out
+
+
 def other_sft_lines(others: dict, sft_run) -> list[str]:
     """report.md's line for each policy that started from another SFT run than the one compared with."""
     return [f"**{md(model)} started from SFT run {md(their)}, not from --sft_run {md(Path(sft_run).name)}**: its win "

@@ -51,7 +51,7 @@ def _seen(premise: dict, digests: set[str]) -> bool:
 
 
 def describe_judges(judge_runs: dict[str, str], training: str | None, scored: list[dict],
-                    policy_posts: set[str], trained_configs: dict) -> dict:
+                    policy_posts: set[str], trained_configs: dict, trained_against: dict | None = None) -> dict:
     """{run name: what the report says of the judge}, after the overlap check: a judge (the training
     one, `training`, --reward_run, as well as each of `--judge_runs`) that trained on a scored premise,
     by post id or by premise text, is refused, naming it and the count. A judge is `held_out` when it
@@ -72,11 +72,14 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
             raise RunError(f"{field} {path}: judge {name} trained on {len(overlap)} of the {len(scored_posts)} "
                            f"premises it would score (e.g. post {overlap[0]}); a judge must not score "
                            f"premises it was trained on")
+        # the policies whose manifests name this judge as their reward run (GRPO): for them it is no held-out judge
+        info["trained_against_by"] = (trained_against or {}).get(name, [])
         if name == training:
             out[name] = {**info, "role": "training"}
             continue
         shared = len(posts & policy_posts)
-        out[name] = {**info, "role": "other" if shared else "held_out", "n_train_posts": len(posts),
+        out[name] = {**info, "role": "other" if shared or info["trained_against_by"] else "held_out",
+                     "n_train_posts": len(posts),
                      "posts_shared_with_policy": shared, "posts_shared_with_scored_premises": 0}
     return out
 

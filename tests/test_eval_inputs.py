@@ -268,3 +268,39 @@ def test_a_policy_compared_with_an_sft_it_never_started_from_is_flagged(tmp_path
     assert others == ({"grpo": "A"} if flagged else {})
     lines = other_sft_lines(others, config.sft_run)
     assert len(lines) == flagged and all("started from SFT run A, not from --sft_run B" in line for line in lines)
+
+
+@pytest.mark.parametrize("trained_with", ["J", "R", None])
+def test_a_judge_a_policy_trained_against_is_never_held_out(tmp_path, pairs_run, trained_with):
+    from common.cli import parse_config
+    from common.config import EvalConfig, RewardStageConfig
+    from common.eval_inputs import judges_trained_against
+    from common.judges import describe_judges, write_train_posts
+    from common.runs import Run
+
+    def made(stage, name, inputs, rows=None):
+        config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs_run), "--runs_dir",
+                                              str(tmp_path / "runs"), "--run_name", name])
+        run = Run(stage, config, {}, inputs=inputs, argv=["test"])
+        (run.dir / "adapter").mkdir()
+        (run.dir / "adapter" / "w").write_text(name)
+        if rows is not None:
+            write_train_posts(run.dir, "train", rows)
+        run.finish({})
+        return run.dir
+    train = load_split(pairs_run, "train")
+    judges = {n: made("Reward", n, {"pairs_run": pairs_run}, train[:4] if n == "R" else load_split(pairs_run, "dev"))
+              for n in ("R", "J")}
+    policy = made("GRPO", "G", {"pairs_run": pairs_run, **({"reward_run": judges[trained_with]} if trained_with else {})})
+    config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs_run), "--reward_run",
+                                          str(judges["R"]), "--judge_runs", str(judges["J"]), "--policy_runs",
+                                          str(policy), "--runs_dir", str(tmp_path / "runs")])
+    run = Run("Eval", config, {}, inputs={"pairs_run": pairs_run, "reward_run": judges["R"],
+                                          "judge_runs[0]": judges["J"], "policy_runs[0]": policy}, argv=["test"])
+    against = judges_trained_against(run)
+    assert against == {n: ["G"] if n == trained_with else [] for n in ("R", "J")}
+    reward_config, _ = parse_config(RewardStageConfig, ["--config", "configs/tiny/03_train_reward.yaml", "--pairs_run", "p"])
+    described = describe_judges({n: str(p) for n, p in judges.items()}, "R", load_split(pairs_run, "test")[:3], set(),
+                                {"R": reward_config, "J": reward_config}, against)
+    assert described["J"]["role"] == ("other" if trained_with == "J" else "held_out")
+    assert described["R"]["trained_against_by"] == (["G"] if trained_with == "R" else [])
