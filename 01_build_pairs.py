@@ -20,9 +20,12 @@ Bad-input policy:
   under dropped["bad_row"].
 - Rows that are well-formed but unusable (no premise, blank, deleted or identical replies, a duplicate
   pair) are always dropped and counted by reason. A duplicate is a pair with the same premise and the
-  same replies as an earlier one, whatever its pair_id or post id (or a repeated pair_id); a row
-  without pair_id gets the digest of its content as id, never its line number. A premise already
+  same replies as an earlier one, compared as normalised text (common/data.normalise_text: NFKC,
+  invisible characters removed, white space collapsed, case folded), whatever its pair_id or post id;
+  a row without pair_id gets the digest of its content as id, never its line number. A premise already
   seen under another post or paper id is dropped as duplicate_premise (it could land in two splits).
+  A row whose pair_id an earlier row with other content holds is kept under `<pair_id>~2` (~3, ...)
+  and counted in metrics.json's `renamed_ids`: an id clash is not a duplicate.
 - A file damaged as a whole (a .jsonl.gz cut short or corrupt, a file that cannot be read) always
   stops the stage with `error: FILE:LINE: ...`, even with --skip_bad_rows: the rows after the damage
   cannot be counted. Files are read as gzip when their first bytes say so, whatever their name.
@@ -31,6 +34,7 @@ Bad-input policy:
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from collections import Counter
@@ -70,9 +74,9 @@ def main(config: PairsConfig, overrides: dict) -> None:
     #    row either used or counted under a drop reason, and every unit inside a row counted too.
     n_rows, n_used, dropped, scrubbed, units = 0, 0, Counter(), Counter(), Counter()
     examples, seen = [], SeenRows()
-    for path in config.data:
-        rows_before = n_rows
-        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
+    for i, path in enumerate(config.data):
+        rows_before, digest = n_rows, hashlib.sha256()
+        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows, digest=digest):  # damage always raises
             n_rows += 1
             if row is None and config.skip_bad_rows:  # not UTF-8 or not JSON (or a bare null), skipped
                 dropped["bad_row"] += 1
@@ -95,6 +99,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
             for e in made:
                 scrubbed.update(e.get("scrubbed", []))  # texts whose give-aways were removed, by rule
                 examples.append(e)
+        run.manifest["inputs"][f"data[{i}]"]["sha256"] = digest.hexdigest()  # of the bytes read, not a re-read
         if n_rows == rows_before:
             run.fail({"task": task.NAME, "n_input_rows": n_rows, "dropped": dict(sorted(dropped.items()))},
                      f"{path}: no rows (the file is empty or holds only blank lines): nothing to build pairs from")
@@ -135,6 +140,7 @@ def main(config: PairsConfig, overrides: dict) -> None:
         "source_split": {name: dict(sorted(Counter(str(p.get("source_split")) for p in splits[name]).items()))
                          for name in kept},
         "dropped": dict(sorted(dropped.items())),
+        "renamed_ids": seen.renamed,  # rows kept under a new id: an earlier row with other content had theirs
         "input_units": dict(sorted(units.items())),  # review: every input review, used or not
         "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in kept} if task.PAIRWISE else None,
         "length_only_accuracy_before_balancing": length_before,

@@ -81,13 +81,14 @@ def main(config: EvalConfig, overrides: dict) -> None:
     run = Run("Eval", config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     task = get_task(run.task)
     adapters = model_adapters(run)  # model name in the report (sft, grpo, dpo, ...) -> adapter folder
+    other_sft = eval_inputs.other_sft_starts(run, adapters)  # policies whose "vs SFT" is not against their start
     run.start_tracking()
 
     # 2. Held-out premises: one per original post or paper, with its real replies as references.
     tokenizer = load_tokenizer(config)
     premises = one_per_group(load_split(config.pairs_run, config.split))[: config.max_premises]
     if config.eval_data:  # other posts or papers instead, none of the train or dev split's (common/eval_inputs.py)
-        premises, run.manifest["eval_data"] = eval_inputs.premises_from_files(config, task)
+        premises, run.manifest["eval_data"] = eval_inputs.premises_from_files(config, task, run)
     if not premises:
         raise DataError(f"{config.pairs_run}: its {config.split} split holds no premises to score")
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
@@ -100,7 +101,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     judges = describe_judges(
         judge_runs, Path(config.reward_run).name if config.reward_run else None, premises,
         {r["group_id"] for r in load_split(config.pairs_run, "train")} if config.judge_runs else set(),
-        {name: load_run_config(path) for name, path in judge_runs.items()})
+        {name: load_run_config(path) for name, path in judge_runs.items()}, eval_inputs.judges_trained_against(run))
     # 2c. A cross-fit's k fold judges (--crossfit_judge_runs) as one judge: each premise is scored by the
     #     fold judge that never trained on its post (common/judges.py CrossFitScorer).
     crossfit = CrossFitScorer(config.crossfit_judge_runs, premises, prompts, config.pairs_run, taken=judges) \
@@ -214,6 +215,10 @@ def main(config: EvalConfig, overrides: dict) -> None:
                for name, texts in replies.items()}
     for name, figures in (fluency_figures(log_probs) if log_probs else {}).items():
         results[name].update(figures)
+    for model, their in other_sft.items():
+        results[model]["vs_sft_started_from"] = their
+        log.warning("%s started from SFT run %s, not --sft_run %s: its vs-SFT numbers compare it with another "
+                    "model", model, their, config.sft_run)
     rewards, verdict = {}, None  # rewards: the training judge's (replies.jsonl, plots)
     every_judge = {}  # judge -> model -> score of each reply (replies.jsonl)
     for name, path in {**judge_runs, **({crossfit.name: crossfit} if crossfit else {})}.items():  # one at a time
@@ -272,6 +277,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
                                                          gain_lines(results, judges))
                                           if config.judge_runs or crossfit else [])
     sections = eval_inputs.report_lines(run.manifest, task.NOUNS) + sections  # what was scored, when not the split
+    sections = [part for line in eval_inputs.other_sft_lines(other_sft, config.sft_run) for part in ("", line)] + sections
     headline = verdict_lines(results, judges, {n: r["verdict"] for n, r in results.items() if "verdict" in r}) + \
         family_lines(judges) + (fluency_model_line(run.manifest.get("fluency", {}).get("fluency_family"),
                                                    model_family(config.model_name_or_path),

@@ -70,6 +70,8 @@ def parse_config(cls, argv: list[str] | None = None):
         overrides = {"resume": values["resume"]}
     try:
         config = cls(**values)
+        if hasattr(config, "check_given") and not values.get("resume"):  # what was set, not only its value
+            config.check_given(set(sources))
     except ConfigError as err:
         where = sources.get(err.field, "config")
         raise ConfigError(f"{where}: {err}", err.field) from None
@@ -252,12 +254,20 @@ def cli(main, config_cls, doc: str = "") -> None:
             _to_run_log("the stage failed", sys.exc_info())
             raise
         # not written to run.log: there is no room for it
-        where = f"{err.filename}: " if err.filename else ""
+        where = f"{err.filename}: " if err.filename else _run_dir_named()
         sys.exit(f"error: {where}{err.strerror or err} (errno {err.errno}); the run is left unfinished, "
                  f"without DONE: free space, then run the stage again")
     except Exception:  # a bug: its traceback goes to run.log too, then to the terminal as usual
         _to_run_log("the stage failed", sys.exc_info())
         raise
+
+
+def _run_dir_named() -> str:
+    """`in RUN_DIR: ` for an error without a file name (a full disk on a write's flush): the run's folder."""
+    for handler in reversed(logging.getLogger().handlers):  # the run's own log: the newest run.log
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).name == "run.log":
+            return f"writing in {Path(handler.baseFilename).parent}: "
+    return "writing the run directory: "
 
 
 def _to_run_log(message: str, exc_info=None) -> None:

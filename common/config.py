@@ -57,7 +57,8 @@ class RunArgs:
 
     runs_dir: str = arg("runs", "folder the run directory is created in")
     run_name: str | None = arg(None, "name of the run directory (one path component); default <Mon><DD>_<Stage>_Run<N>")
-    seed: int = arg(42, "seed of every random choice (data order, sampling, initialisation)")
+    seed: int = arg(42, "seed of every random choice (data order, sampling, initialisation); 0 to 2^32 - 1, as "
+                    "numpy takes it", ge=0, le=2**32 - 1)
     report_to: Literal["wandb", "none"] = arg("none", "wandb: log to Weights & Biases (offline without WANDB_API_KEY)")
     wandb_project: str = arg("persuasion-pipeline", "W&B project")
     wandb_group: str | None = arg(None, "W&B group; default inherited from the input runs (one group per pipeline)")
@@ -207,6 +208,16 @@ class PairsConfig(RunArgs):
     review_target: Literal["merged", "per_review"] = arg(
         "merged", "review task: one target per paper, ratings averaged over its reviewers (merged), or one "
         "target per official review with its own rating (per_review); docs/review.md")
+
+    def check_given(self, given: set[str]) -> None:
+        """Fields set in the YAML or on the command line that this config does not use: refused even at
+        their default value (check() sees only the values, so an explicit 0.1 would slip through)."""
+        if self.split_by == "period" and "test_fraction" in given:
+            raise ConfigError("field 'test_fraction' is not used with split_by period (the test split is the "
+                              "later period's posts): leave it out", "test_fraction")
+        if self.split_by == "post" and "later_dev_fraction" in given:
+            raise ConfigError("field 'later_dev_fraction' is for split_by period (a share of the later period's "
+                              "posts): leave it out", "later_dev_fraction")
 
     def check(self):
         if self.split_by == "period" and self.task != "cmv":
@@ -611,7 +622,7 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     best_of_n: int = arg(
         0, "> 1: add the model best_of_n: this many replies a premise sampled from the SFT model (the base without "
         "--sft_run) at best_of_n_temperature, the training judge's best kept; no training: the baseline practice "
-        "must beat. 0: off", ge=0)
+        "must beat. 0: off; at most 64", ge=0, le=64)
     best_of_n_temperature: float = arg(0.7, "best_of_n: the sampling temperature of its candidates", gt=0)
     best_of_n_scorer: str | None = arg(
         None, "best_of_n: the scorer that picks among the candidates, a load_scorer spec (run:PATH, KIND:ARG, "
@@ -659,9 +670,9 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
         if self.eval_data and self.split != "test":
             raise ConfigError("field 'split' is not used with eval_data (its files are scored instead): leave it out",
                               "split")
-        if self.replies_from and not (self.reward_run or self.judge_runs):
-            raise ConfigError("replies_from: give the judges that score its replies (--judge_runs, --reward_run)",
-                              "replies_from")
+        if self.replies_from and not (self.reward_run or self.judge_runs or self.crossfit_judge_runs):
+            raise ConfigError("replies_from: give the judges that score its replies (--judge_runs, --reward_run, "
+                              "--crossfit_judge_runs)", "replies_from")
         if self.replies_from and (self.sft_run or self.policy_runs):
             raise ConfigError("replies_from: the models are those of that run, whose replies are read back; give no "
                               "sft_run or policy_runs", "replies_from")

@@ -1,6 +1,7 @@
 """Reading and writing data files, splitting by group, length balancing, fitting token budgets."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -8,8 +9,10 @@ import json
 import math
 import random
 import re
+import unicodedata
 import zlib
 from bisect import bisect_left
+from collections import Counter
 from pathlib import Path
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")  # splits text into sentences, keeping their marks
@@ -73,17 +76,56 @@ def text_field(row: dict, name: str, where: str, required: bool, label: str | No
 
 
 GZIP_MAGIC = b"\x1f\x8b"
-# The longest line a data file may hold: a paper with its reviews is well under 10 MiB, and a line is
-# read into memory whole (a small .gz can expand to one line of gigabytes).
-MAX_LINE_BYTES = 64 * 2**20
+# The longest line a data file may hold: a paper with its reviews is well under 1 MiB (the bundled
+# NeurIPS file's longest is 0.3 MiB), and a line is read into memory whole (a small .gz can expand to
+# one line of gigabytes).
+MAX_LINE_BYTES = 16 * 2**20
+# The most a data file may hold once decompressed: the bundled review file is 48 MiB. A small .gz can
+# expand to gigabytes of rows, each under the line bound, that would take the stage hours to read.
+MAX_FILE_BYTES = 2**30
 
 
-def _open_by_content(path: Path):
+class _Hashing:
+    """A raw file that hashes every byte read from it: the digest is of the bytes parsed, not of a
+    second read of a file that may have changed in between."""
+
+    def __init__(self, raw, digest):
+        self.raw, self.digest = raw, digest
+
+    def read(self, n=-1):
+        data = self.raw.read(n)
+        self.digest.update(data)
+        return data
+
+    def readline(self, n=-1):
+        data = self.raw.readline(n)
+        self.digest.update(data)
+        return data
+
+    def close(self):
+        if self.raw.closed:
+            return
+        while chunk := self.raw.read(2**20):  # bytes after the last row (a gzip trailer) are part of the file
+            self.digest.update(chunk)
+        self.raw.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+
+def _open_by_content(path: Path, digest=None):
     """A binary stream of the file's lines: gzip when it starts with the gzip magic bytes, whatever
-    its name says (a gzip named .jsonl is read; a plain file named .gz is read as it is)."""
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    return gzip.open(path, "rb") if magic == GZIP_MAGIC else open(path, "rb")
+    its name says (a gzip named .jsonl is read; a plain file named .gz is read as it is). With a
+    `digest` (a hashlib object), every byte of the file goes into it as it is read."""
+    raw = open(path, "rb")
+    magic = raw.read(2)
+    raw.seek(0)
+    if digest is not None:
+        raw = _Hashing(raw, digest)
+    return gzip.GzipFile(fileobj=raw, mode="rb") if magic == GZIP_MAGIC else raw, raw
 
 
 def _stream_error(path: Path, lineno: int, err: BaseException) -> DataError:
@@ -96,22 +138,24 @@ def _stream_error(path: Path, lineno: int, err: BaseException) -> DataError:
                      f"stops the stage even with --skip_bad_rows: repair or re-create the file")
 
 
-def read_jsonl(path: str | Path, skip_invalid: bool = False):
+def read_jsonl(path: str | Path, skip_invalid: bool = False, digest=None):
     """Yield (where, row) for each non-blank line; `where` is "file:line" for error messages.
 
     The file is read in binary, as gzip when its first bytes say so (not its name), and each line is
     decoded here. A line that is not valid UTF-8 or not valid JSON raises DataError naming the file and
     line, or yields (where, None) with skip_invalid. A damaged stream (a gzip cut short, a bad CRC, a
-    file that cannot be read) or a line over MAX_LINE_BYTES always raises DataError, skip_invalid or not."""
+    file that cannot be read), a line over MAX_LINE_BYTES or a file over MAX_FILE_BYTES (decompressed)
+    always raises DataError, skip_invalid or not. With `digest` (a hashlib object), the file's bytes
+    go into it as they are read: when the generator is done, it holds the sha256 of what was parsed."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    lineno = 0
+    lineno, total = 0, 0
     try:
-        stream = _open_by_content(path)
+        stream, source = _open_by_content(path, digest)
     except OSError as err:
         raise _stream_error(path, 0, err) from None
-    with stream:
+    with contextlib.closing(source), stream:
         while True:
             try:
                 raw = stream.readline(MAX_LINE_BYTES + 1)
@@ -120,6 +164,11 @@ def read_jsonl(path: str | Path, skip_invalid: bool = False):
             if not raw:
                 return
             lineno += 1
+            total += len(raw)
+            if total > MAX_FILE_BYTES:
+                raise DataError(f"{path}:{lineno}: the file holds more than {MAX_FILE_BYTES} bytes (decompressed) by "
+                                f"this line; no data file of the task's format is that large, so this stops the stage: "
+                                f"split the file, or check that it is the one meant")
             if len(raw) > MAX_LINE_BYTES:  # the rest of the line is never read into memory
                 raise DataError(f"{path}:{lineno}: the line is longer than {MAX_LINE_BYTES} bytes; no row of "
                                 f"the task's format is that long, so this stops the stage: repair the file")
@@ -178,38 +227,106 @@ def train_and_dev(pairs_run: str | Path, max_train: int | None, max_dev: int | N
     return train, load_split(pairs_run, dev_split)[:max_dev]
 
 
+# Characters a reader does not see: zero-width space, joiners, word joiner, byte-order mark, soft hyphen.
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"))
+
+
+def normalise_text(text: str) -> str:
+    """A text as a reader compares it: Unicode NFKC (composed accents, NBSP as a space, full-width
+    forms), invisible characters removed, white space collapsed (CRLF, doubled spaces, a blank line
+    written as newline-space-newline), case folded. Two copies of one post that differ only in these
+    are the same post to every overlap and duplicate check."""
+    return " ".join(unicodedata.normalize("NFKC", text).translate(_INVISIBLE).casefold().split())
+
+
 def premise_digest(row: dict) -> str:
-    """The identity of a row's premise by its text (its prompt), whatever post or paper id it carries."""
+    """The identity of a row's premise by its normalised text (its prompt), whatever post or paper id it
+    carries and however its white space, accents or case are written."""
+    return hashlib.sha256(json.dumps([[m["role"], normalise_text(m["content"])] for m in row["prompt"]]).encode()
+                          ).hexdigest()
+
+
+def raw_premise_digest(row: dict) -> str:
+    """The digest of a premise as written (judges made before premises were normalised recorded these)."""
     return hashlib.sha256(json.dumps(row["prompt"]).encode()).hexdigest()
 
 
+SHINGLE_WORDS = 5  # near duplicates: word 5-grams of the normalised text ...
+NEAR_DUPLICATE_JACCARD = 0.8  # ... shared at this Jaccard similarity or more ...
+NEAR_DUPLICATE_MIN_WORDS = 20  # ... by texts of this many words (shorter ones: compared whole)
+
+
+def shingles(text: str, n: int = SHINGLE_WORDS) -> set[int]:
+    """The word n-grams of a normalised text, hashed (a text shorter than n words: itself)."""
+    words = normalise_text(text).split()
+    return {hash(tuple(words[i:i + n])) for i in range(max(1, len(words) - n + 1))}
+
+
+class NearDuplicates:
+    """Texts indexed by their word shingles: `find(text)` names an indexed text whose shingles' Jaccard
+    similarity with it is NEAR_DUPLICATE_JACCARD or more (a post with a sentence edited, a word added,
+    a footnote dropped), or None. Texts under NEAR_DUPLICATE_MIN_WORDS words (a title alone) are left
+    to the exact comparison: two short titles share most of their few shingles by chance."""
+
+    def __init__(self, threshold: float = NEAR_DUPLICATE_JACCARD):
+        self.threshold, self.sizes, self.index = threshold, {}, {}
+
+    def add(self, key: str, text: str) -> None:
+        if len(text.split()) < NEAR_DUPLICATE_MIN_WORDS:
+            return
+        found = shingles(text)
+        self.sizes[key] = len(found)
+        for s in found:
+            self.index.setdefault(s, set()).add(key)
+
+    def find(self, text: str) -> str | None:
+        if len(text.split()) < NEAR_DUPLICATE_MIN_WORDS:
+            return None
+        found = shingles(text)
+        shared = Counter(key for s in found for key in self.index.get(s, ()))
+        for key, n in shared.most_common():
+            if n / (len(found) + self.sizes[key] - n) >= self.threshold:
+                return key
+        return None
+
+
 class SeenRows:
-    """The examples kept so far, to drop repeats (stage 01, and 05's --eval_data): a row with an example of
-    an earlier id, or of the same premise and replies as an earlier one, is a `duplicate_pair`; one whose
-    premise text was kept under another post or paper id is a `duplicate_premise` (it could land in two
-    splits, or be scored twice)."""
+    """The examples kept so far, to drop repeats (stage 01, and 05's --eval_data): a row with the same
+    (normalised) premise and replies as an earlier one is a `duplicate_pair`; one whose premise text was
+    kept under another post or paper id is a `duplicate_premise` (it could land in two splits, or be
+    scored twice). A row whose id an earlier row with other content holds is kept under a new id
+    (`<id>~2`, ...), counted in `renamed`: an id clash is not a duplicate."""
 
     def __init__(self):
         self.ids: set[str] = set()
         self.contents: set[tuple] = set()
         self.premises: dict[str, str] = {}
+        self.renamed = 0
 
     def repeat(self, examples: list[dict]) -> str | None:
-        if any(e["id"] in self.ids or self._content(e) in self.contents for e in examples):
+        if any(self._content(e) in self.contents for e in examples):
             return "duplicate_pair"
         if any(self.premises.get(premise_digest(e), e["group_id"]) != e["group_id"] for e in examples):
             return "duplicate_premise"
         return None
 
     def add(self, examples: list[dict]) -> None:
+        clash = any(e["id"] in self.ids for e in examples)
+        self.renamed += clash
         for e in examples:
+            if clash:
+                n = 2
+                while f"{e['id']}~{n}" in self.ids:
+                    n += 1
+                e["id"] = f"{e['id']}~{n}"
             self.ids.add(e["id"])
             self.contents.add(self._content(e))
             self.premises.setdefault(premise_digest(e), e["group_id"])
 
     @staticmethod
     def _content(example: dict) -> tuple:
-        return premise_digest(example), example["chosen"], example.get("rejected")
+        return (premise_digest(example), normalise_text(example["chosen"]),
+                normalise_text(example.get("rejected") or ""))
 
 
 def one_per_group(rows: list[dict]) -> list[dict]:

@@ -5,18 +5,30 @@ again by other judges (`--replies_from`).
 Files are read as stage 01 reads its rows, with the pairs run's own settings (premise_words,
 review_target, ...), so that a post or paper it holds gets the same premise text here: the reader
 (common/data.read_jsonl), the bad-row policy (`--skip_bad_rows`), the drop reasons and the counts
-are stage 01's. A row whose post or paper is in the pairs run's train or dev split, by id or by the
-digest of its premise text, was trained on (or picked a checkpoint): it is refused, or dropped and
-counted with `--skip_overlap true`.
+are stage 01's. A row whose post or paper is in the pairs run's train, dev or dev_later split, by id,
+by the digest of its normalised premise text (common/data.normalise_text), or as a near duplicate
+(word-shingle Jaccard >= NEAR_DUPLICATE_JACCARD), was trained on (or picked a checkpoint or a judge):
+it is refused, or dropped and counted with `--skip_overlap true`.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import Counter
 from pathlib import Path
 
 from common.config import ConfigError, load_run_config
-from common.data import DataError, SeenRows, load_split, one_per_group, premise_digest, read_json, read_jsonl
+from common.data import (
+    DataError,
+    NearDuplicates,
+    SeenRows,
+    load_split,
+    one_per_group,
+    premise_digest,
+    read_json,
+    read_jsonl,
+)
+from common.report import md, md_code
 from common.runs import RunError, check_input
 
 # What made a finished eval run's replies and what they answer: --replies_from takes them from that
@@ -56,19 +68,26 @@ def source_settings(config, overrides: dict):
     return dataclasses.replace(config, **taken, eval_data=files, pairs_run=config.pairs_run or manifest["pairs_run"])
 
 
-def premises_from_files(config, task) -> tuple[list[dict], dict]:
+def premises_from_files(config, task, run=None) -> tuple[list[dict], dict]:
     """--eval_data: one premise per post or paper of the files (its real replies or reviews as
     references, as stage 01 builds them), the first max_premises of them, and the accounting:
     per file n_input_rows, n_rows_used, dropped (reason -> count, `overlap_train_dev` among them),
-    input_units; n_premises (all) and n_scored."""
+    renamed_ids, input_units; n_premises (all) and n_scored. With `run`, each file's input record
+    takes the sha256 of the bytes read here (the file may have changed since the run started)."""
     pairs = load_run_config(config.pairs_run)  # its rows are read as the pairs run read its own
-    trained = load_split(config.pairs_run, "train") + load_split(config.pairs_run, "dev")
-    posts, texts = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}
+    if getattr(pairs, "split_by", None) == "period":  # new posts need no period: none of them is split here
+        pairs = dataclasses.replace(pairs, split_by="post", test_fraction=0.1)
+    # dev_later too: judges and recipes were chosen on it, so it is no more held out than dev
+    trained = [r for split in ("train", "dev", "dev_later") for r in _split_if_any(config.pairs_run, split)]
+    posts, texts, near = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}, NearDuplicates()
+    for r in trained:
+        near.add(r["group_id"], task.display(r))  # the premise itself, not the instruction around it
     nouns = task.NOUNS["premises"]
     examples, seen, files = [], SeenRows(), []
-    for path in config.eval_data:
+    for i, path in enumerate(config.eval_data):
         n_rows, n_used, dropped, units, overlap = 0, 0, Counter(), Counter(), []
-        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows):  # stream damage always raises
+        renamed_before, digest = seen.renamed, hashlib.sha256()
+        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows, digest=digest):  # damage always raises
             n_rows += 1
             try:
                 made = "bad_row" if row is None and config.skip_bad_rows else task.rows_from(row, where, pairs)
@@ -78,7 +97,8 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
                 made = "bad_row"
             if isinstance(made, str):
                 reason = made
-            elif any(e["group_id"] in posts or premise_digest(e) in texts for e in made):
+            elif any(e["group_id"] in posts or premise_digest(e) in texts for e in made) or \
+                    any(near.find(task.display(e)) for e in made[:1]):
                 reason = OVERLAP
                 overlap.append(made[0]["group_id"])
             else:
@@ -95,17 +115,26 @@ def premises_from_files(config, task) -> tuple[list[dict], dict]:
         if not n_rows:
             raise DataError(f"{path}: no rows (the file is empty or holds only blank lines): nothing to score")
         if overlap and not config.skip_overlap:
-            raise DataError(f"{path}: {len(overlap)} of its {n_rows} rows are {nouns} of the pairs run's train or "
-                            f"dev split (by id or by premise text; e.g. {overlap[0]}): the models trained on them. "
+            raise DataError(f"{path}: {len(overlap)} of its {n_rows} rows are {nouns} of the pairs run's train, "
+                            f"dev or dev_later split (by id, by normalised premise text, or a near duplicate of "
+                            f"one; e.g. {overlap[0]}): the models trained on them, or were chosen on them. "
                             f"Give other {nouns}, or --skip_overlap true to drop those rows")
+        if run is not None:
+            run.manifest["inputs"][f"eval_data[{i}]"]["sha256"] = digest.hexdigest()
         files.append({"path": str(Path(path).resolve()), "n_input_rows": n_rows, "n_rows_used": n_used,
-                      "dropped": dict(sorted(dropped.items())), "input_units": dict(sorted(units.items()))})
+                      "dropped": dict(sorted(dropped.items())), "renamed_ids": seen.renamed - renamed_before,
+                      "input_units": dict(sorted(units.items()))})
     premises = one_per_group(examples)
     if not premises:
         raise DataError(f"{', '.join(config.eval_data)}: no {nouns} left to score (dropped: "
                         f"{'; '.join(str(f['dropped']) for f in files)})")
     return premises[: config.max_premises], {"files": files, "n_premises": len(premises),
                                              "n_scored": min(len(premises), config.max_premises)}
+
+
+def _split_if_any(pairs_run, split: str) -> list[dict]:
+    """A split's rows; none where the pairs run has no such file (dev_later: split by period only)."""
+    return load_split(pairs_run, split) if (Path(pairs_run) / f"{split}.jsonl").is_file() else []
 
 
 def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
@@ -136,13 +165,50 @@ def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
     return replies, readouts, speed
 
 
+def other_sft_starts(run, adapters: dict) -> dict[str, str]:
+    """{model: the SFT run it started from} for each policy that started from another SFT run than
+    --sft_run (by the digest its manifest recorded): its "vs SFT" compares it with a model it never
+    started from. eval.json flags it (`vs_sft_started_from`) and report.md says so."""
+    ours = (run.manifest["inputs"].get("sft_run") or {}).get("sha256")
+    out = {}
+    for i, path in enumerate(run.config.policy_runs):
+        manifest = run.inputs[f"policy_runs[{i}]"]
+        theirs = (manifest.get("inputs") or {}).get("sft_run")
+        model = next(name for name, folder in adapters.items() if folder == Path(path) / "adapter")
+        if ours and theirs and theirs.get("sha256") != ours:
+            out[model] = theirs.get("run_name") or theirs.get("path")
+    return out
+
+
+def judges_trained_against(run) -> dict[str, list[str]]:
+    """{judge run name: the evaluated policies that trained against it}, from each policy's manifest (its
+    `reward_run` input's digest against each judge's): a judge a policy trained against is not held
+    out for it, whichever field it was given in."""
+    fields = {**({"reward_run": run.config.reward_run} if run.config.reward_run else {}),
+              **{f"judge_runs[{j}]": p for j, p in enumerate(run.config.judge_runs)}}
+    digests = {Path(path).name: run.manifest["inputs"][field]["sha256"] for field, path in fields.items()}
+    out = {name: [] for name in digests}
+    for i, path in enumerate(run.config.policy_runs):
+        theirs = (run.inputs[f"policy_runs[{i}]"].get("inputs") or {}).get("reward_run") or {}
+        for name, digest in digests.items():
+            if theirs.get("sha256") == digest:
+                out[name].append(Path(path).name)
+    return out
+
+
+def other_sft_lines(others: dict, sft_run) -> list[str]:
+    """report.md's line for each policy that started from another SFT run than the one compared with."""
+    return [f"**{md(model)} started from SFT run {md(their)}, not from --sft_run {md(Path(sft_run).name)}**: its win "
+            f"rate vs SFT compares it with a model it never started from." for model, their in others.items()]
+
+
 def report_lines(manifest: dict, nouns: dict) -> list[str]:
     """report.md's account of what was scored when it is not the pairs run's test split: the files
     (sha256, rows read, used and dropped), and the eval run whose replies were read back."""
     lines = []
     data = manifest.get("eval_data")
     if data:
-        files = "; ".join(f"`{f['path']}` (sha256 {manifest['inputs'][f'eval_data[{i}]']['sha256'][:12]}: "
+        files = "; ".join(f"{md_code(f['path'])} (sha256 {manifest['inputs'][f'eval_data[{i}]']['sha256'][:12]}: "
                           f"{f['n_input_rows']} rows, {f['n_rows_used']} used, dropped: {_counts(f['dropped'])})"
                           for i, f in enumerate(data["files"]))
         lines += [f"The {nouns['premises']} scored are {data['n_scored']} of the {data['n_premises']} in --eval_data, "
@@ -150,8 +216,8 @@ def report_lines(manifest: dict, nouns: dict) -> list[str]:
                   f"train or dev split is `{OVERLAP}`."]
     source = manifest.get("replies_from")
     if source:
-        lines += [f"Nothing was generated: the replies are those of eval run {source['run_name']} "
-                  f"(`{source['path']}`), read back and scored by this run's judges."]
+        lines += [f"Nothing was generated: the replies are those of eval run {md(source['run_name'])} "
+                  f"({md_code(source['path'])}), read back and scored by this run's judges."]
     return ["", "## Data", *(part for line in lines for part in ("", line))] if lines else []
 
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from common.config import RewardStageConfig, load_run_config, to_dict
-from common.data import fold_of, load_split, premise_digest, read_json, write_json
+from common.data import fold_of, load_split, premise_digest, raw_premise_digest, read_json, write_json
 from common.runs import RunError
 from common.verdict import families_of, model_family
 
@@ -45,8 +45,14 @@ def train_posts(reward_run: str | Path) -> tuple[set[str], set[str]]:
     return set(saved["posts"]), set(saved["premises"])
 
 
+def _seen(premise: dict, digests: set[str]) -> bool:
+    """Whether a judge trained on this premise's text: its normalised digest, or (a judge made before
+    premises were normalised) its digest as written."""
+    return premise_digest(premise) in digests or raw_premise_digest(premise) in digests
+
+
 def describe_judges(judge_runs: dict[str, str], training: str | None, scored: list[dict],
-                    policy_posts: set[str], trained_configs: dict) -> dict:
+                    policy_posts: set[str], trained_configs: dict, trained_against: dict | None = None) -> dict:
     """{run name: what the report says of the judge}, after the overlap check: a judge (the training
     one, `training`, --reward_run, as well as each of `--judge_runs`) that trained on a scored premise,
     by post id or by premise text, is refused, naming it and the count. A judge is `held_out` when it
@@ -62,17 +68,20 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
                 "family": model_family(config.judge_model_name_or_path or config.model_name_or_path),
                 "train_split": config.train_split, "period": _period(config)}
         posts, premises = train_posts(path)
-        overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or premise_digest(p) in premises})
+        overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or _seen(p, premises)})
         if overlap:
             field = "--reward_run" if name == training else "--judge_runs"
             raise RunError(f"{field} {path}: judge {name} trained on {len(overlap)} of the {len(scored_posts)} "
                            f"premises it would score (e.g. post {overlap[0]}); a judge must not score "
                            f"premises it was trained on")
+        # the policies whose manifests name this judge as their reward run (GRPO): for them it is no held-out judge
+        info["trained_against_by"] = (trained_against or {}).get(name, [])
         if name == training:
             out[name] = {**info, "role": "training"}
             continue
         shared = len(posts & policy_posts)
-        out[name] = {**info, "role": "other" if shared else "held_out", "n_train_posts": len(posts),
+        out[name] = {**info, "role": "other" if shared or info["trained_against_by"] else "held_out",
+                     "n_train_posts": len(posts),
                      "posts_shared_with_policy": shared, "posts_shared_with_scored_premises": 0}
     return out
 
@@ -129,7 +138,7 @@ class CrossFitScorer:
         for premise, prompt in zip(premises, prompts):
             key = json.dumps(prompt)  # premises cut to one prompt are one input to a judge
             ok = {j for j, (posts, digests) in enumerate(trained)
-                  if premise["group_id"] not in posts and premise_digest(premise) not in digests}
+                  if premise["group_id"] not in posts and not _seen(premise, digests)}
             allowed[key], post[key] = allowed.get(key, ok) & ok, post.get(key, premise["group_id"])
         seen = sorted(post[key] for key, ok in allowed.items() if not ok)
         if seen:

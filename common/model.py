@@ -220,14 +220,32 @@ def _check_context(args, model_config: dict, path: str) -> None:
                               f"of {context} tokens (max_position_embeddings in {path}/config.json)", name)
 
 
+# The files that make a tokenizer and its chat template (those a model folder has are hashed).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                   "merges.txt")
+
+
+def _tokenizer_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                            _raise_exceptions_for_connection_errors=False)
+        if found:
+            digest.update(name.encode() + b"\0" + Path(found).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
-    """What identifies the base: name or path, config and weight-index digests, quantisation, LoRA.
+    """What identifies the base: name or path, config, weight and tokenizer (chat template included)
+    digests, quantisation, LoRA.
     For an ENCODER judge: no quantisation, no LoRA (the whole model is fine-tuned)."""
     # Called before any run directory exists: a model that is not there is a bad setting, said in one line.
     try:
         path = resolve_model_path(args.model_name_or_path)
         config = json.loads(Path(cached_file(path, "config.json")).read_text())
         weights = _weights_digest(path)
+        tokenizer = _tokenizer_digest(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"field 'model_name_or_path': no usable model at {args.model_name_or_path!r} (a local "
                           f"folder with config.json and safetensors weights, or a hub name already downloaded): "
@@ -239,6 +257,7 @@ def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
         "model": args.model_name_or_path,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest(),
         "weights_sha256": weights,
+        "tokenizer_sha256": tokenizer,  # the tokenizer and its chat template: another template, other prompts
     }
     if kind == ENCODER:
         return {**identity, "quantization": None, "finetune": "full"}

@@ -2,6 +2,7 @@
 sample replies side by side, in Markdown."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from common.data import n_words
@@ -101,10 +102,33 @@ def log_plots_to_wandb(plots: dict) -> None:
         wandb.log({f"eval/{Path(p).stem}": wandb.Image(str(p), caption=c) for c, p in plots.items()})
 
 
+_MARKDOWN = re.compile(r"([\\`*\[\]()#!|<>])")
+
+
+def _one_line(text) -> str:
+    """A control character (a newline, a line separator) shown escaped: the text stays on its line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def md(text) -> str:
+    """Text a user gave (a run name, a post, a reply) as it should read in markdown: on one line (a
+    newline cannot open a heading or a list) and with the marks of links, images, HTML, headings,
+    emphasis and table cells backslash-escaped."""
+    return _MARKDOWN.sub(r"\\\1", _one_line(text))
+
+
+def md_code(text) -> str:
+    """A file name or path a user gave, as inline code on one line: fenced by more backticks than it holds."""
+    text = _one_line(text)
+    fence = "`" * (max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def _cell(text: str, max_words: int = 120) -> str:
     words = text.split()
     short = " ".join(words[:max_words]) + (" …" if len(words) > max_words else "")
-    return short.replace("|", "\\|").replace("\n", " ") or "*(empty)*"
+    return md(short) or "*(empty)*"
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -128,8 +152,8 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
            "The same replies scored by every judge. A policy trained against one judge can learn that judge's blind "
            "spots; a judge it never trained against, on posts it never saw, checks that the gain is real."]
     for name, judge in judges.items():
-        out += ["", f"**{name}**: {judge['objective']} {judge['backbone']} judge ({judge['model']}, family "
-                f"{judge.get('family', 'unknown')}), trained on the "
+        out += ["", f"**{md(name)}**: {judge['objective']} {judge['backbone']} judge ({md(judge['model'])}, family "
+                f"{md(judge.get('family', 'unknown'))}), trained on the "
                 f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}." +
                 (f" {judge['description']}" if judge.get("description") else ""), "",
                 "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] | win rate vs SFT | "
@@ -153,7 +177,7 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
     judge's audit verdict, the plots, and sample replies side by side with the real one. The task
     says how a premise is shown (`display`) and named (`nouns`: premise(s), reference(s))."""
     names = list(results)
-    lines = [f"# Evaluation {run_name}", ""]
+    lines = [f"# Evaluation {md(run_name)}", ""]
     if headline:
         lines += ["## Verdict (a gain holds where held-out judges of two families put its 95% interval above 0.5 "
                   "and the replies pass the fluency gate)", "",

@@ -95,11 +95,12 @@ class Run:
         in `self.inputs` (None for files)."""
         self.stage, self.config = stage, config
         self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
-        self.pairs_run, self.task = _common_lineage(self.inputs, inputs or {})
+        self.pairs_run, self.task, self.pairs_digest = _common_lineage(self.inputs, inputs or {})
         if self.task in TASKS:  # settings the task cannot work with, refused before anything is made
             TASKS[self.task].check_config(config)
         if self.pairs_run and "pairs_run" not in self.inputs:  # inherited (04): it must be unchanged too
-            check_input("pairs_run", self.pairs_run)
+            self.pairs_digest = _same_content(self.pairs_run, check_input("pairs_run", self.pairs_run),
+                                              self.pairs_digest)
         if base is not None:
             _lock_base(self.inputs, base)
         self.is_main = is_main_process()
@@ -134,6 +135,8 @@ class Run:
         if stage == "Pairs":
             self.pairs_run = str(self.dir.resolve())
         self.manifest.update(pairs_run=self.pairs_run, task=self.task or self.manifest.get("task"))
+        if stage != "Pairs":  # the lineage by content: a pairs run rebuilt at the same path is another one
+            self.manifest["pairs_run_sha256"] = self.pairs_digest or self.manifest.get("pairs_run_sha256")
         self._attach_log()
         for key, value in overrides.items():  # fast_paths false replaced a value the command line asked for
             if not config.fast_paths and key in PLAIN_PATHS and getattr(config, key) != value:
@@ -230,7 +233,11 @@ def hold_lock(run_dir: Path):
     """An exclusive lock on the run directory for as long as this process runs it (the open file is
     the lock; the system releases it when the process ends, however it ends). Two processes training
     one run would both exit 0 with one manifest recording only one of them."""
-    lock = open(run_dir / LOCK, "a")
+    try:
+        lock = open(run_dir / LOCK, "a")
+    except OSError as err:  # a read-only file system, a lock file that is a folder, no permission
+        raise RunError(f"cannot open {run_dir / LOCK} to lock the run ({err.strerror or err}): the run directory "
+                       f"must be writable (a read-only file system cannot hold a running run)") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -268,6 +275,9 @@ def check_input(name: str, path) -> dict | None:
 
 def require_done(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        raise RunError(f"input {run_dir} is a file, not a run directory: give the folder a stage wrote "
+                       f"(it holds manifest.json and DONE)")
     if not run_dir.is_dir():
         raise RunError(f"input {run_dir} does not exist (no such file or run directory)")
     if not (run_dir / "DONE").exists():
@@ -311,23 +321,44 @@ def _lock_base(inputs: dict, fingerprint: dict) -> None:
                     f"Every stage must start from the same base model and LoRA settings.")
 
 
-def lineage(manifest: dict, path: Path) -> str | None:
-    """The pairs run that a run descends from (a pairs run descends from itself)."""
+def lineage(manifest: dict, path: Path) -> tuple[str | None, str | None]:
+    """(path, content digest) of the pairs run that a run descends from (a pairs run descends from
+    itself). The digest is that over the pairs run's artifacts when the run was made: a pairs run
+    deleted and built again at the same path (another seed, other data) is another pairs run. None
+    where it is not known (a run made before runs recorded it, or a rank other than 0)."""
     if manifest.get("stage") == "Pairs":
-        return str(Path(path).resolve())
-    return manifest.get("pairs_run")
+        digests = manifest.get("_digests")
+        return str(Path(path).resolve()), provenance.digest_of(digests) if digests else None
+    return manifest.get("pairs_run"), manifest.get("pairs_run_sha256")
 
 
-def _common_lineage(manifests: dict, paths: dict) -> tuple[str | None, str | None]:
-    """(pairs run, task) shared by every input run; different ones are refused, naming the runs."""
-    found = {name: (lineage(m, Path(paths[name])), m.get("task")) for name, m in manifests.items() if m}
-    shared = {name: pt for name, pt in found.items() if name.split("[")[0] not in OWN_LINEAGE}
-    pairs = {p for p, _ in shared.values() if p}
+def _same_content(path: str, manifest: dict, recorded: str | None) -> str | None:
+    """The digest of pairs run `path` now; refused when it is not the content its descendants recorded."""
+    _, now = lineage(manifest, Path(path))
+    if recorded and now and now != recorded:
+        raise RunError(f"pairs run {path} is not the one the input runs were trained on: its content changed "
+                       f"(sha256 {now[:12]}, recorded {recorded[:12]}; rebuilt at the same path?), so held-out "
+                       f"premises may have been trained on")
+    return recorded or now
+
+
+def _common_lineage(manifests: dict, paths: dict) -> tuple[str | None, str | None, str | None]:
+    """(pairs run, task, pairs run's content digest) shared by every input run; different ones are
+    refused, naming the runs. Runs descend from one pairs run when its path and its content agree."""
+    found = {name: (*lineage(m, Path(paths[name])), m.get("task")) for name, m in manifests.items() if m}
+    shared = {name: pdt for name, pdt in found.items() if name.split("[")[0] not in OWN_LINEAGE}
+    pairs = {p for p, _, _ in shared.values() if p}
     if len(pairs) > 1:
-        listing = "; ".join(f"--{name} {paths[name]} descends from {p}" for name, (p, _) in shared.items())
+        listing = "; ".join(f"--{name} {paths[name]} descends from {p}" for name, (p, _, _) in shared.items())
         raise RunError(f"the input runs descend from different pairs runs ({listing}): a stage's inputs must share "
                        f"one pairs run, or held-out premises may have been trained on")
-    tasks = {t for _, t in found.values() if t}
+    digests = {d for _, d, _ in shared.values() if d}
+    if len(digests) > 1:
+        listing = "; ".join(f"--{name} {paths[name]} descends from {p} with sha256 {str(d)[:12]}"
+                            for name, (p, d, _) in shared.items())
+        raise RunError(f"the input runs descend from different contents of one pairs run path ({listing}): it was "
+                       f"rebuilt after some of them were made, so held-out premises may have been trained on")
+    tasks = {t for _, _, t in found.values() if t}
     if len(tasks) > 1:
         raise RunError(f"the input runs are of different tasks ({', '.join(sorted(tasks))})")
-    return next(iter(pairs), None), next(iter(tasks), None)
+    return next(iter(pairs), None), next(iter(tasks), None), next(iter(digests), None)

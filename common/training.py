@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from transformers import TrainerCallback
 
 from common.config import TrainArgs
 from common.model import precision_flags
-from common.runs import is_main_process
+from common.runs import RunError, is_main_process
 
 log = logging.getLogger("pipeline")
 
@@ -170,6 +171,14 @@ def train(trainer, run) -> dict:
     started = time.time()
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:
+        # a file cut short is torch's RuntimeError of its zip reader; any other RuntimeError is not ours
+        if checkpoint is None or (isinstance(err, RuntimeError) and "PytorchStreamReader" not in str(err)):
+            raise
+        # torch.load refuses a file that is not plain tensors (weights_only): a damaged or tampered checkpoint
+        raise RunError(f"checkpoint {checkpoint} is damaged: a file of it cannot be loaded ("
+                       f"{(str(err).splitlines() or [type(err).__name__])[0][:120]}); delete that checkpoint folder "
+                       f"to continue from the one before it, or start a new run") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

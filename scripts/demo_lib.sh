@@ -15,14 +15,15 @@ stage() {
   done
   # >(cat >&2), not /dev/stderr: reopening /dev/stderr when it is a file starts writing at the
   # file's beginning, so each stage would overwrite the log of the ones before it
-  out=$("$PY" "$@" "${runs[@]}" | tee >(cat >&2)) || exit 1
+  out=$("$PY" "$@" "${runs[@]}" | tee >(cat >&2)) || { echo "error: stage $1 failed; the chain stops" >&2; exit 1; }
   grep '^run_dir: ' <<<"$out" | tail -1 | cut -d' ' -f2-
 }
 
 # `background NAME SCRIPT ARGS...` runs a stage in the background, its output in $LOGS/NAME.log and,
 # once it has finished, its run directory in $LOGS/NAME.dir; `wait_for_all` waits for every one and
-# stops the script, showing the log's end, when one failed (`wait_for_all --allow_failures` only
-# names them).
+# stops the script, showing the log's end, when one failed. `wait_for_all --allow_failures` goes on,
+# naming them: a stage its length guard stopped is a finding (STOPPED), any other failure is kept in
+# FAILED, and `finish_chain` (the chain's last step) then ends the chain with status 1, naming them.
 background() {
   local name=$1; shift
   rm -f "$LOGS/$name.dir"
@@ -30,18 +31,35 @@ background() {
     && grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir" ) &
   BACKGROUND+=("$name")
 }
-BACKGROUND=()
+BACKGROUND=() FAILED=() STOPPED=()
 
 wait_for_all() {
   wait
   local name failed=0
   for name in "${BACKGROUND[@]}"; do
-    if [[ ! -s "$LOGS/$name.dir" ]]; then
-      echo "stage $name failed; the end of $LOGS/$name.log:" >&2
-      tail -5 "$LOGS/$name.log" >&2
-      failed=1
+    [[ -s "$LOGS/$name.dir" ]] && continue
+    if grep -q '^error: reward-hacking guard' "$LOGS/$name.log" 2>/dev/null; then
+      echo "stage $name was stopped by its length guard (a finding, not a failure): $LOGS/$name.log" >&2
+      STOPPED+=("$name")
+      continue
     fi
+    echo "stage $name failed; the end of $LOGS/$name.log:" >&2
+    tail -5 "$LOGS/$name.log" >&2
+    FAILED+=("$name")
+    failed=1
   done
   BACKGROUND=()
-  [[ $failed == 0 || ${1:-} == --allow_failures ]] || exit 1
+  [[ $failed == 0 || ${1:-} == --allow_failures ]] || { echo "error: stage(s) failed: ${FAILED[*]}" >&2; exit 1; }
+}
+
+# `finish_chain WHAT [DETAILS]`: the chain's closing line. Status 1, naming every failed stage and its log, when a
+# stage failed along the way; else WHAT finished, with the stages a guard stopped named.
+finish_chain() {
+  local name
+  if (( ${#FAILED[@]} )); then
+    echo "error: $1 did not finish: ${#FAILED[@]} stage(s) failed:" \
+      "$(for name in "${FAILED[@]}"; do printf '%s (%s) ' "$name" "$LOGS/$name.log"; done)" >&2
+    exit 1
+  fi
+  echo "$1 finished in $(( $(date +%s) - start )) s${2:+; $2}${STOPPED[*]:+; stopped by their length guard: ${STOPPED[*]}}"
 }

@@ -70,7 +70,8 @@ done
 wait_for_all
 judges=()
 for name in "${!CANDIDATES[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
-mapfile -t two < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
+best2=$("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
+mapfile -t two <<<"$best2"
 "$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
 # Conservative ensembles of the k best single judges on dev_later, as stage-03 runs (04 and 05 take them).
 ensembles=()

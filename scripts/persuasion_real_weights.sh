@@ -43,8 +43,9 @@ declare -A GRPO_RECIPES=(
 # 1. Pairs; SFT in the background while the judge candidates train and the best on dev_later is picked.
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
 background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs"
-read -r _ judge_name judge < <(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" \
-  bash scripts/judges_later_posts.sh | tail -1)
+best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \
+  || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
+read -r _ judge_name judge <<<"$best"
 echo "training judge (best on dev_later): $judge_name $judge" >&2
 
 # 2. The held-out judges, in the training judge's recipe (its config.yaml), and the decoding sweep on dev.
@@ -82,7 +83,10 @@ background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "
 wait_for_all --allow_failures
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done
-mapfile -t grpo < <("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
+(( ${#recipes[@]} )) || { echo "error: no GRPO recipe finished (failed: ${FAILED[*]:-none};" \
+  "stopped by their length guard: ${STOPPED[*]:-none}): nothing to compare" >&2; exit 1; }
+rising=$("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
+mapfile -t grpo <<<"$rising"
 policies=("${grpo[@]}")
 for name in grpo_from_base dpo orpo; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
@@ -95,5 +99,5 @@ evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" 
 "$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${recipes[@]}"
 
 echo
-echo "persuasion on real weights finished in $(( $(date +%s) - start )) s; pairs $pairs, judge $judge, eval $evalrun"
+finish_chain "persuasion on real weights" "pairs $pairs, judge $judge, eval $evalrun"
 echo "report: $(cd "$evalrun" && pwd)/report.md"

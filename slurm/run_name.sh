@@ -14,7 +14,8 @@ n=0
 for path in "$runs_dir/$prefix"* "$runs_dir/slurm/$prefix"*.job; do
   num=$(basename "$path" .job)
   num=${num#"$prefix"}
-  if [[ $num =~ ^[0-9]+$ ]] && (( num > n )); then n=$num; fi
+  # base 10: a run numbered 08 is eight, not a bad octal number
+  if [[ $num =~ ^[0-9]+$ ]] && (( 10#$num > n )); then n=$(( 10#$num )); fi
 done
 while :; do
   n=$(( n + 1 ))

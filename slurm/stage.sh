@@ -64,6 +64,13 @@ while (( $# )); do
 done
 [[ -z $config || -f $config ]] || die "--config $config: no such file"
 
+# A run name is one path component, checked before anything touches the disk (the stage checks it
+# again, but only after this script has made the stop file's folder beside the run directory).
+if [[ -n $run_name ]]; then
+  [[ $run_name != */* && $run_name != . && $run_name != .. && $run_name != *\\* && $run_name != *[[:cntrl:]]* ]] \
+    || die "--run_name '$run_name' must be one path component (no '/', '..' or absolute path)"
+fi
+
 # Which run directory, and new or continued.
 if [[ -n $resume ]]; then run_dir=${resume%/}
 elif [[ -n $run_name ]]; then run_dir=$runs_dir/$run_name

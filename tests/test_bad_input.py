@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_dir_of, run_in_process, run_stage
+from conftest import REPO, error_line, run_dir_of, run_in_process, run_stage
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -423,3 +423,24 @@ def test_random_corruptions_of_real_lines_end_in_one_of_two_outcomes(ops, strip_
         assert lenient.metrics["dropped"] == strict.metrics["dropped"]
     if lenient.kind == "error":  # only damage to the file as a whole survives --skip_bad_rows
         assert STREAM_ERROR in lenient.error or "no rows" in lenient.error, lenient.error
+
+
+@pytest.mark.parametrize("gz, rows, line_kb", [(True, 20, 60), (False, 50, 30), (True, 400, 3)])
+def test_a_file_over_the_size_bound_is_one_error_line(tmp_path, monkeypatch, gz, rows, line_kb):
+    """A gzip bomb of rows, each under the line bound, stops at the file bound (here 1 MB)."""
+    import gzip as gzip_
+
+    from common import data
+    monkeypatch.setattr(data, "MAX_FILE_BYTES", 2**20)
+    path = tmp_path / ("bomb.jsonl.gz" if gz else "big.jsonl")
+    with (gzip_.open(path, "wt") if gz else open(path, "w")) as f:
+        for i in range(rows):
+            f.write(json.dumps({"op_id": f"o{i}", "op_text": "x " * (line_kb * 512), "positive_reply": "a b",
+                                "negative_reply": "c d"}) + "\n")
+    limit_line = 2**20 // (line_kb * 1024 + 60) + 1
+    with pytest.raises(data.DataError, match=rf"{path}:\d+: the file holds more than {2**20} bytes \(decompressed\)"):
+        list(data.read_jsonl(path, skip_invalid=True))
+    proc = run_in_process("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", path,
+                          "--runs_dir", tmp_path / "runs", "--skip_bad_rows", "true")
+    line = error_line(proc)
+    assert f"{path}:" in line and "more than 1048576 bytes" in line and int(line.split(":")[2]) <= limit_line + 1, line

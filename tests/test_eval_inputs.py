@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -137,3 +138,196 @@ def test_replies_read_back_get_fluency_figures_and_a_verdict(cmv, tiny_model):
     assert "The fluency model is of the policy's family (llama)" in report
     assert "Every held-out judge is of the training judge's family (llama)" in report
     assert json.loads((run / "manifest.json").read_text())["fluency"]["fluency_family"] == "llama"
+
+
+# --- the overlap check compares what a reader sees, not bytes --------------------------------------
+
+def _source_rows(posts) -> list[dict]:
+    with gzip.open("data/cmv/cmv_pairs.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [row for row in map(json.loads, f) if row["op_id"] in posts]
+
+
+def _premises(pairs_run, path, *flags):
+    from common.cli import parse_config
+    from common.config import EvalConfig
+    from common.eval_inputs import premises_from_files
+    from common.tasks import cmv as task
+    config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs_run), "--eval_data", str(path),
+                                          *flags])
+    return premises_from_files(config, task)
+
+
+def _disguise(text: str, how: str) -> str:
+    words = text.split(" ")
+    return {"doubled_space": "  ".join(words), "crlf": text.replace("\n", "\r\n").replace(". ", ".\r\n"),
+            "nbsp": "\u00a0".join(words), "zero_width": text.replace("a", "a\u200b"),
+            "upper": text.upper(), "blank_lines": text.replace(". ", ".\n \n"),
+            "one_word_changed": " ".join(words[:10] + ["otherword"] + words[11:]),
+            "sentence_added": text + " And one more sentence at the end."}[how]
+
+
+@pytest.mark.parametrize("how", ["doubled_space", "crlf", "nbsp", "zero_width", "upper", "blank_lines",
+                                 "one_word_changed", "sentence_added"])
+@pytest.mark.parametrize("split", ["train", "dev"])
+def test_a_trained_post_in_disguise_under_a_new_id_is_not_held_out(pairs_run, tmp_path, how, split):
+    from common.data import DataError
+    source = [r for r in _source_rows({r["group_id"] for r in load_split(pairs_run, split)})
+              if len((r["op_text"] or "").split()) > 40]
+    rows = [{**r, "op_id": f"new-{r['op_id']}", "pair_id": f"new-{r['pair_id']}",
+             "op_text": _disguise(r["op_text"], how)} for r in source[:1]]
+    path = tmp_path / "disguised.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"1 of its 1 rows are premises of the pairs run's train, dev or dev_later"):
+        _premises(pairs_run, path)
+    with pytest.raises(DataError, match="no premises left to score"):  # dropped as overlap, nothing left
+        _premises(pairs_run, path, "--skip_overlap", "true")
+
+
+def test_normalised_text_ignores_what_a_reader_does_not_see():
+    import unicodedata
+
+    from common.data import normalise_text
+    text = "Café  rules.\r\nThe\u00a0second\u200b line\n \n ends HERE"
+    assert normalise_text(text) == normalise_text(unicodedata.normalize("NFD", text)) == \
+        "café rules. the second line ends here"
+    assert normalise_text("a b") != normalise_text("a c")
+
+
+def test_unseen_posts_pass_the_overlap_check_and_the_file_digest_is_of_what_was_read(pairs_run, tmp_path):
+    from common.data import read_jsonl
+    test_posts = list(dict.fromkeys(r["group_id"] for r in load_split(pairs_run, "test")))[:3]
+    rows = _source_rows(set(test_posts))
+    path = tmp_path / "test_posts.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    premises, accounting = _premises(pairs_run, path)
+    assert {p["group_id"] for p in premises} == set(test_posts)
+    digest = hashlib.sha256()
+    assert len(list(read_jsonl(path, digest=digest))) == len(rows)
+    assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["posts\n## Verdict\n- **grpo**: holds.jsonl", "a\r\n# Evaluation forged.jsonl",
+                                  "x\u2028## Verdict.jsonl", "[click](http://x) <img src=x>|.jsonl", "a`b``.jsonl",
+                                  "p\n\n| model | bleu |\n| --- | --- |.jsonl"])
+def test_a_file_name_cannot_write_markdown_into_the_report(name):
+    from common.eval_inputs import report_lines
+    from common.tasks import cmv as task
+    manifest = {"eval_data": {"n_scored": 1, "n_premises": 1, "files": [
+        {"path": f"/data/{name}", "n_input_rows": 1, "n_rows_used": 1, "dropped": {}}]},
+                "inputs": {"eval_data[0]": {"sha256": "ab" * 32}},
+                "replies_from": {"run_name": name, "path": f"/runs/{name}"}}
+    text = "\n".join(report_lines(manifest, task.NOUNS))
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith(("#", "-", "|", "*", ">"))] == ["## Data"], lines
+    assert len(lines) == 6
+    said = next(line for line in lines if line.startswith("Nothing was generated"))
+    run_name = said[:said.index("(`")]  # escaped text; the paths after it are inline code
+    assert re.search(r"(?<!\\)[<\[|]", run_name) is None and "](" not in run_name, run_name
+    fence = re.search(r"\((`+) ?/runs/", said).group(1)  # the path's code span holds no fence of its length
+    assert fence not in name and said.endswith(f"{fence}), read back and scored by this run's judges.")
+
+
+@pytest.fixture(scope="module")
+def period_pairs(tmp_path_factory):
+    from conftest import run_in_process
+    runs = tmp_path_factory.mktemp("period")
+    proc = run_in_process("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--split_by", "period",
+                          "--runs_dir", runs)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir_of(proc)
+
+
+@pytest.mark.parametrize("drop", [(), ("source_split",), ("source_split", "pair_id")])
+def test_new_posts_without_a_period_are_scored_against_a_period_pairs_run(period_pairs, tmp_path, drop):
+    test_posts = list(dict.fromkeys(r["group_id"] for r in load_split(period_pairs, "test")))[:2]
+    rows = [{k: v for k, v in r.items() if k not in drop} for r in _source_rows(set(test_posts))]
+    path = tmp_path / "new_posts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    premises, accounting = _premises(period_pairs, path)
+    assert {p["group_id"] for p in premises} == set(test_posts) and accounting["files"][0]["n_rows_used"] == len(rows)
+
+
+@pytest.mark.parametrize("keep_id", [True, False])
+def test_dev_later_posts_are_not_held_out_through_eval_data(period_pairs, tmp_path, keep_id):
+    from common.data import DataError
+    posts = list(dict.fromkeys(r["group_id"] for r in load_split(period_pairs, "dev_later")))[:2]
+    assert posts
+    rows = [r if keep_id else {**r, "op_id": "x" + r["op_id"], "pair_id": "x" + r["pair_id"]}
+            for r in _source_rows(set(posts))]
+    path = tmp_path / "dev_later_posts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match="train, dev or dev_later split"):
+        _premises(period_pairs, path)
+
+
+@pytest.mark.parametrize("started_from, flagged", [("A", True), ("B", False), (None, False)])
+def test_a_policy_compared_with_an_sft_it_never_started_from_is_flagged(tmp_path, started_from, flagged):
+    from common.cli import parse_config
+    from common.config import EvalConfig
+    from common.eval_inputs import other_sft_lines, other_sft_starts
+    from common.provenance import artifact_digests
+    from common.runs import Run
+    pairs = tmp_path / "P"
+    pairs.mkdir()
+    (pairs / "test.jsonl").write_text("{}\n")
+    (pairs / "manifest.json").write_text(json.dumps({"run_name": "P", "stage": "Pairs", "task": "cmv",
+                                                     "artifacts": artifact_digests(pairs)}))
+    (pairs / "DONE").write_text("")
+
+    def made(stage, name, inputs, **extra):
+        config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs), "--runs_dir",
+                                              str(tmp_path / "runs"), "--run_name", name])
+        run = Run(stage, config, {}, inputs=inputs, argv=["test"])
+        run.manifest.update(extra)
+        (run.dir / "adapter").mkdir()
+        (run.dir / "adapter" / "w").write_text(name)
+        run.finish({})
+        return run.dir
+    sft = {n: made("SFT", n, {"pairs_run": pairs}) for n in ("A", "B")}
+    policy = made("GRPO", "G", {"sft_run": sft[started_from]} if started_from else {"pairs_run": pairs},
+                  started_from="sft" if started_from else "base")
+    config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs), "--sft_run", str(sft["B"]),
+                                          "--policy_runs", str(policy), "--runs_dir", str(tmp_path / "runs")])
+    run = Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": sft["B"], "policy_runs[0]": policy},
+              argv=["test"])
+    others = other_sft_starts(run, {"sft": sft["B"] / "adapter", "grpo": policy / "adapter"})
+    assert others == ({"grpo": "A"} if flagged else {})
+    lines = other_sft_lines(others, config.sft_run)
+    assert len(lines) == flagged and all("started from SFT run A, not from --sft_run B" in line for line in lines)
+
+
+@pytest.mark.parametrize("trained_with", ["J", "R", None])
+def test_a_judge_a_policy_trained_against_is_never_held_out(tmp_path, pairs_run, trained_with):
+    from common.cli import parse_config
+    from common.config import EvalConfig, RewardStageConfig
+    from common.eval_inputs import judges_trained_against
+    from common.judges import describe_judges, write_train_posts
+    from common.runs import Run
+
+    def made(stage, name, inputs, rows=None):
+        config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs_run), "--runs_dir",
+                                              str(tmp_path / "runs"), "--run_name", name])
+        run = Run(stage, config, {}, inputs=inputs, argv=["test"])
+        (run.dir / "adapter").mkdir()
+        (run.dir / "adapter" / "w").write_text(name)
+        if rows is not None:
+            write_train_posts(run.dir, "train", rows)
+        run.finish({})
+        return run.dir
+    train = load_split(pairs_run, "train")
+    judges = {n: made("Reward", n, {"pairs_run": pairs_run}, train[:4] if n == "R" else load_split(pairs_run, "dev"))
+              for n in ("R", "J")}
+    policy = made("GRPO", "G", {"pairs_run": pairs_run, **({"reward_run": judges[trained_with]} if trained_with else {})})
+    config, _ = parse_config(EvalConfig, ["--config", EVAL, "--pairs_run", str(pairs_run), "--reward_run",
+                                          str(judges["R"]), "--judge_runs", str(judges["J"]), "--policy_runs",
+                                          str(policy), "--runs_dir", str(tmp_path / "runs")])
+    run = Run("Eval", config, {}, inputs={"pairs_run": pairs_run, "reward_run": judges["R"],
+                                          "judge_runs[0]": judges["J"], "policy_runs[0]": policy}, argv=["test"])
+    against = judges_trained_against(run)
+    assert against == {n: ["G"] if n == trained_with else [] for n in ("R", "J")}
+    reward_config, _ = parse_config(RewardStageConfig, ["--config", "configs/tiny/03_train_reward.yaml", "--pairs_run", "p"])
+    described = describe_judges({n: str(p) for n, p in judges.items()}, "R", load_split(pairs_run, "test")[:3], set(),
+                                {"R": reward_config, "J": reward_config}, against)
+    assert described["J"]["role"] == ("other" if trained_with == "J" else "held_out")
+    assert described["R"]["trained_against_by"] == (["G"] if trained_with == "R" else [])

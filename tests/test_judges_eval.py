@@ -2,6 +2,8 @@
 training judge. The stage itself, with two real judges and the overlap check, is in test_pipeline.py."""
 from __future__ import annotations
 
+import pytest
+
 from common.judges import gain_lines
 from common.report import judges_section
 
@@ -43,3 +45,25 @@ def test_the_report_has_a_table_per_judge_and_the_lines():
     assert "**R2**: pointwise encoder judge (e, family bert), trained on the dev split; held out" in text
     assert "| grpo | 0.100 | 0.80 [0.70, 0.90] | 0.80 [0.70, 0.90] |" in text
     assert text.count("| model | reward (mean) |") == 3 and "but not under the held-out judge R2" in text
+
+
+@pytest.mark.parametrize("how", [lambda t: t.replace(" ", "  ", 1), lambda t: t.replace("\n", "\r\n") + " ",
+                                 lambda t: t.replace(" ", "\u00a0", 3), lambda t: t.replace("o", "o\u200b", 2)],
+                         ids=["doubled_space", "crlf", "nbsp", "zero_width"])
+def test_a_judge_trained_on_the_scored_posts_in_disguise_is_refused(tmp_path, pairs_run, how):
+    from common.cli import parse_config
+    from common.config import RewardStageConfig
+    from common.data import load_split
+    from common.judges import describe_judges, write_train_posts
+    from common.runs import RunError
+    scored = load_split(pairs_run, "test")[:3]
+    trained = [{**r, "group_id": f"renamed-{r['group_id']}",
+                "prompt": [{**m, "content": how(m["content"])} for m in r["prompt"]]} for r in scored]
+    judge = tmp_path / "Judge"
+    judge.mkdir()
+    write_train_posts(judge, "train", trained)
+    config, _ = parse_config(RewardStageConfig, ["--config", "configs/tiny/03_train_reward.yaml", "--pairs_run", "p"])
+    with pytest.raises(RunError, match=f"judge Judge trained on {len({r['group_id'] for r in scored})} of the"):
+        describe_judges({"Judge": str(judge)}, None, scored, set(), {"Judge": config})
+    other = load_split(pairs_run, "train")[:3]  # posts it never saw: held out
+    assert describe_judges({"Judge": str(judge)}, None, other, set(), {"Judge": config})["Judge"]["role"] == "held_out"

@@ -133,3 +133,24 @@ def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
     reloaded = scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev])
     assert [s["id"] for s in stored] == [r["id"] for r in dev]
     assert reloaded == [s["chosen_score"] for s in stored]  # bit-identical
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: (d / "chat_template.jinja").write_text((d / "chat_template.jinja").read_text() + "{# another template #}"),
+    lambda d: (d / "chat_template.jinja").unlink(),
+    lambda d: (d / "tokenizer_config.json").write_text((d / "tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1)),
+    lambda d: (d / "special_tokens_map.json").write_text("{}")])
+def test_the_base_lock_covers_the_tokenizer_and_its_chat_template(tmp_path, tiny_model, change):
+    import shutil
+
+    from common.config import ModelArgs
+    from common.runs import RunError, _lock_base
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_model, copy)
+    before = fingerprint(ModelArgs(model_name_or_path=str(copy)))
+    change(copy)
+    after = fingerprint(ModelArgs(model_name_or_path=str(copy)))
+    assert after["tokenizer_sha256"] != before["tokenizer_sha256"]
+    assert {k for k in after if after[k] != before[k]} == {"tokenizer_sha256"}
+    with pytest.raises(RunError, match="field 'tokenizer_sha256'"):
+        _lock_base({"sft_run": {"run_name": "S", "base": before}}, after)

@@ -210,3 +210,63 @@ def test_balancing_sees_the_scrubbed_lengths(tmp_path):
         assert all("EDIT" not in p["chosen"] for p in pairs)
     assert metrics["scrubbed"]["winner_edit_note"] > 150
 
+
+# --- duplicates by what a reader sees; id clashes are not duplicates ---------------------------------
+
+def _build_in_process(tmp_path, *data, monkeypatch=None):
+    from conftest import run_in_process
+    proc = run_in_process("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--data", *data,
+                          "--runs_dir", tmp_path / "runs", "--length_balance", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = run_dir_of(proc)
+    return run, json.loads((run / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("how", [lambda t: t.replace(" ", "  ", 1), lambda t: t.replace(". ", ".\r\n"),
+                                 lambda t: t.replace(" ", "\u00a0"), lambda t: t.replace("e", "e\u200b"),
+                                 lambda t: t.upper(), lambda t: t.replace(". ", ".\n \n")],
+                         ids=["doubled_space", "crlf", "nbsp", "zero_width", "upper", "blank_line_with_space"])
+def test_a_copied_post_in_disguise_lands_in_no_second_split(tmp_path, how):
+    rng = random.Random(1)
+    rows = [_row(rng, i, i, 40, 50) for i in range(60)]
+    copies = [{**r, "pair_id": f"copy-{i}", "op_id": f"copy-op-{i}", "op_text": how(r["op_text"]),
+               "positive_reply": r["positive_reply"] + " Another sentence."} for i, r in enumerate(rows[:10])]
+    run, metrics = _build_in_process(tmp_path, _write(tmp_path / "d.jsonl", rows + copies))
+    assert metrics["dropped"].get("duplicate_premise") == 10, metrics["dropped"]
+    written = [p for split in _written(run).values() for p in split]
+    assert not [p for p in written if p["group_id"].startswith("copy-")]
+    assert metrics["n_rows_used"] + sum(metrics["dropped"].values()) == 70
+
+
+@pytest.mark.parametrize("n, shared", [(40, 40), (40, 7)])
+def test_rows_whose_ids_clash_with_other_content_are_kept_renamed(tmp_path, n, shared):
+    rng = random.Random(2)
+    first = [_row(rng, i, i, 40, 50) for i in range(n)]
+    second = [{**_row(rng, i, 1000 + i, 40, 50), "pair_id": f"syn-{i}" if i < shared else f"other-{i}"}
+              for i in range(n)]
+    second.append(dict(first[3]))  # a true duplicate: the same content, the same id
+    run, metrics = _build_in_process(tmp_path, _write(tmp_path / "a.jsonl", first), _write(tmp_path / "b.jsonl", second))
+    assert metrics["dropped"].get("duplicate_pair") == 1, metrics["dropped"]
+    assert metrics["renamed_ids"] == shared and metrics["n_rows_used"] == 2 * n
+    ids = [p["id"] for split in _written(run).values() for p in split]
+    assert len(ids) == len(set(ids)) == 2 * n and sum(i.endswith("~2") for i in ids) == shared
+
+
+def test_the_recorded_digest_is_of_the_bytes_read(tmp_path, monkeypatch):
+    """The file changes after the run started, before its rows are read: the manifest names what was read."""
+    import hashlib
+
+    from common.runs import Run
+    rng = random.Random(3)
+    path = _write(tmp_path / "d.jsonl", [_row(rng, i, i, 40, 50) for i in range(30)])
+    later = [_row(rng, i, 100 + i, 40, 50) for i in range(30)]
+    real = Run.start_tracking
+
+    def start_then_change(run):
+        real(run)
+        _write(path, later)
+    monkeypatch.setattr(Run, "start_tracking", start_then_change)
+    run, _ = _build_in_process(tmp_path, path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["inputs"]["data[0]"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert {p["group_id"] for split in _written(run).values() for p in split} <= {r["op_id"] for r in later}

@@ -99,7 +99,7 @@ def test_period_split_refuses_what_it_cannot_do(tmp_path, config, extra, field):
 def test_audit_names_the_later_period_and_early_stopping_keeps_the_best_epoch(tmp_path, tiny_model):
     runs = tmp_path / "runs"
     pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
-                                 "--split_by", "period", "--test_fraction", "0.1", "--runs_dir", runs))
+                                 "--split_by", "period", "--runs_dir", runs))
     reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
                                   "--pairs_run", pairs, "--max_steps", -1, "--num_train_epochs", 3,
                                   "--max_train_examples", 8, "--early_stopping_patience", 1, "--runs_dir", runs))

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, tiny_bert
 
 
@@ -52,3 +53,50 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     report = text.strip().splitlines()[-1].split(" ", 1)[1]
     assert "## Verdict" in open(report).read()
 
+
+
+FAKE_PY = r'''#!/usr/bin/env bash
+# A stand-in interpreter: every stage "finishes" with a run directory, except those FAIL names (a crash)
+# and those GUARD names (stopped by the length guard); the helper scripts print what the chain reads.
+script=$1; shift
+runs=$RUNS_DIR; name=""
+while (( $# )); do case $1 in --runs_dir) runs=$2; shift 2 ;; --run_name) name=$2; shift 2 ;; *) shift ;; esac; done
+case $script in
+  scripts/judges_later_posts.py) case $1 in best) echo "best: j $runs/Judge" ;; best2) printf '%s\n' a b ;; esac; exit 0 ;;
+  scripts/persuasion_real_weights.py) case ${1:-} in decoding) echo "--temperature 0" ;; rising) ls -d "$runs"/GRPO_* ;; esac; exit 0 ;;
+  scripts/*) exit 0 ;;
+esac
+name=${name:-$(basename "$script" .py)_$RANDOM$RANDOM}
+if [[ " $FAIL " == *" $script "* || " $FAIL " == *" $name "* ]]; then echo "Traceback: boom" >&2; exit 1; fi
+if [[ " $GUARD " == *" $name "* ]]; then echo "error: reward-hacking guard: mean reply length" >&2; exit 1; fi
+mkdir -p "$runs/$name" && echo "run_dir: $runs/$name"
+'''
+
+
+def _chain(tmp_path, **env):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PY": str(fake), "RUNS_DIR": str(tmp_path / "runs"), "FAIL": "",
+                               "GUARD": "", **env}, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+GRPO = ["GRPO_lr2e-5", "GRPO_lr1e-4", "GRPO_lr1e-4_beta0.04_temperature0.8", "GRPO_lr3e-4_unscaled"]
+
+
+@pytest.mark.parametrize("fail, guard, ok", [
+    (" ".join(GRPO), "", False), ("04_train_grpo.py", "", False), ("04_train_dpo.py", "", False),
+    (GRPO[0], "", False), ("", " ".join(GRPO[:3]), True), ("", "", True)])
+def test_the_chain_fails_when_a_stage_fails_and_names_it(tmp_path, fail, guard, ok):
+    code, out = _chain(tmp_path, FAIL=fail, GUARD=guard)
+    assert (code == 0) == ok, out[-3000:]
+    assert ("finished in" in out) == ok, out[-3000:]
+    for name in guard.split():
+        assert f"stage grpo_{name[5:]} was stopped by its length guard" in out
+    if not ok:
+        assert "error: " in out and ("failed" in out or "no GRPO recipe finished" in out), out[-3000:]
+        failed = [g for g in GRPO if g in fail or fail == "04_train_grpo.py"]
+        for name in failed:
+            assert f"stage grpo_{name[5:]} failed" in out, out[-3000:]

@@ -274,3 +274,46 @@ def test_the_length_guard_keeps_its_reference_across_a_restart(tmp_path):
     for _ in range(2):
         restarted.on_log(None, None, TrainerControl(), logs={"rewards/watch_reply_words/mean": 50.0})
     assert restarted.tripped and "averaged 10.0 words" in restarted.tripped
+
+
+@pytest.fixture(scope="module")
+def stopped_sft(tmp_path_factory, tiny_model, pairs_run):
+    """An SFT run with a checkpoint of step 2 of 3, as a stopped run leaves it (no DONE)."""
+    runs = tmp_path_factory.mktemp("stopped")
+    run = run_dir_of(run_stage("02_train_sft.py", "--config", SFT_YAML, "--pairs_run", pairs_run, "--runs_dir", runs))
+    (run / "DONE").unlink()
+    return run
+
+
+@pytest.mark.parametrize("damage", [
+    lambda p: p.write_bytes(__import__("pickle").dumps(__import__("collections").OrderedDict(a=print))),
+    lambda p: p.write_bytes(__import__("pickle").dumps({"os": __import__("os").getcwd})),
+    lambda p: p.write_bytes(p.read_bytes()[:40])])
+def test_a_damaged_checkpoint_on_resume_is_one_error_line(tmp_path, stopped_sft, damage):
+    import shutil
+    run = tmp_path / stopped_sft.name
+    shutil.copytree(stopped_sft, run)
+    (run / "run.lock").unlink(missing_ok=True)
+    damage(run / "checkpoints" / "checkpoint-2" / "rng_state.pth")
+    line = _no_traceback_one_error(run_stage("02_train_sft.py", "--resume", run, check=False))
+    assert line.startswith(f"error: checkpoint {run / 'checkpoints' / 'checkpoint-2'} is damaged"), line
+
+
+@pytest.mark.parametrize("block", ["lock_is_a_folder", "read_only"])
+def test_resume_where_the_lock_cannot_be_opened_is_one_error_line(tmp_path, stopped_sft, block):
+    import os
+    import shutil
+    run = tmp_path / stopped_sft.name
+    shutil.copytree(stopped_sft, run)
+    (run / "run.lock").unlink(missing_ok=True)
+    if block == "lock_is_a_folder":
+        (run / "run.lock").mkdir()
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes through a read-only mode; the folder case takes the same path")
+        run.chmod(0o500)
+    try:
+        line = _no_traceback_one_error(run_stage("02_train_sft.py", "--resume", run, check=False))
+    finally:
+        run.chmod(0o700)
+    assert line.startswith(f"error: cannot open {run / 'run.lock'} to lock the run"), line

@@ -166,3 +166,133 @@ def test_an_earlier_runs_config_is_read_under_the_new_names(tmp_path):
     (run / "config.yaml").write_text("pairs_run: p\nmodel_name_or_path: m\npadding_free: true\nshared_prompt: false\n")
     config = load_run_config(run)
     assert config.padding_free and config.prompt_once_per_pair is False
+
+
+# --- lineage by content ------------------------------------------------------------------------------
+
+def _pairs_run(path, rows: str):
+    """A finished pairs run holding `rows` as its test split, its artifacts recorded."""
+    from common.provenance import artifact_digests
+    path.mkdir()
+    (path / "test.jsonl").write_text(rows)
+    (path / "manifest.json").write_text(json.dumps({"run_name": path.name, "stage": "Pairs", "task": "cmv",
+                                                    "artifacts": artifact_digests(path)}))
+    (path / "DONE").write_text("")
+    return path
+
+
+def _child(tmp_path, stage, name, inputs):
+    """A finished run of `stage` made by Run itself from `inputs` (no base: none is loaded)."""
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs"), "--run_name", name])
+    run = Run(stage, config, {}, inputs=inputs, argv=["test"])
+    run.finish({})
+    return run.dir
+
+
+@pytest.mark.parametrize("rebuilt", ['{"a": 2}\n', '{"a": 1}\n\n', '{"b": 1}\n'])
+def test_a_pairs_run_rebuilt_at_the_same_path_is_another_lineage(tmp_path, rebuilt):
+    import shutil
+    pairs = _pairs_run(tmp_path / "P", '{"a": 1}\n')
+    sft = _child(tmp_path, "SFT", "S", {"pairs_run": pairs})
+    assert json.loads((sft / "manifest.json").read_text())["pairs_run_sha256"]
+    policy = _child(tmp_path, "GRPO", "G", {"sft_run": sft})  # inherits the pairs run: recorded by content too
+    shutil.rmtree(pairs)
+    _pairs_run(pairs, rebuilt)  # another seed or other data, the same path
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
+    with pytest.raises(RunError, match="different contents of one pairs run path.*--sft_run"):
+        Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": sft}, argv=["test"])
+    with pytest.raises(RunError, match=f"pairs run {pairs} is not the one the input runs were trained on"):
+        Run("DPO", config, {}, inputs={"sft_run": sft}, argv=["test"])  # the pairs run inherited, not given
+    with pytest.raises(RunError, match="different contents"):
+        Run("Eval", config, {}, inputs={"pairs_run": pairs, "policy_runs[0]": policy}, argv=["test"])
+    # A run made on the rebuilt pairs run is accepted with it.
+    fresh = _child(tmp_path, "SFT", "S2", {"pairs_run": pairs})
+    Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": fresh}, argv=["test"])
+
+
+# --- bounds that stop a traceback or an allocation before it happens --------------------------------
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**40), "-99999"])
+@pytest.mark.parametrize("recipe", ["01_build_pairs", "02_train_sft", "03_train_reward", "04_train_grpo", "04_train_dpo",
+                                    "05_eval"])
+def test_a_seed_numpy_cannot_take_is_refused_by_every_stage(recipe, seed):
+    from common.config import STAGE_CONFIGS
+    cls = STAGE_CONFIGS[_STAGES[recipe]]
+    inputs = {"01": [], "02": ["--pairs_run", "p"], "03": ["--pairs_run", "p"], "04": ["--sft_run", "s", "--reward_run",
+              "r"] if "grpo" in recipe else ["--sft_run", "s"], "05": ["--pairs_run", "p"]}[recipe[:2]]
+    with pytest.raises(ConfigError, match="field 'seed'"):
+        parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *inputs, "--seed", seed])
+    config, _ = parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *inputs, "--seed", str(2**32 - 1)])
+    assert config.seed == 2**32 - 1
+
+
+_STAGES = {"01_build_pairs": "Pairs", "02_train_sft": "SFT", "03_train_reward": "Reward", "04_train_grpo": "GRPO",
+           "04_train_dpo": "DPO", "05_eval": "Eval"}
+
+
+@pytest.mark.parametrize("n", [65, 10**9, 2**62])
+def test_best_of_n_is_bounded_before_anything_is_allocated(tmp_path, n):
+    from conftest import error_line, run_in_process
+    proc = run_in_process("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p", "--reward_run", "r",
+                          "--best_of_n", str(n), "--runs_dir", tmp_path / "runs")
+    assert "field 'best_of_n'" in error_line(proc, tmp_path / "runs")
+
+
+# --- messages that name what is wrong -----------------------------------------------------------------
+
+@pytest.mark.parametrize("field", ["sft_run", "pairs_run", "policy_runs[0]"])
+def test_a_file_given_as_a_run_is_named_a_file(tmp_path, field):
+    config, _ = parse_config(DemoConfig, ["--runs_dir", str(tmp_path / "runs")])
+    given = tmp_path / "manifest.json"
+    given.write_text("{}")
+    with pytest.raises(RunError, match=f"input {given} is a file, not a run directory"):
+        Run("Eval", config, {}, inputs={field: given}, argv=["test"])
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+@pytest.mark.parametrize("value", ["0.1", "0.2", "0.0"])
+def test_test_fraction_with_split_by_period_is_refused_even_at_its_default(tmp_path, where, value):
+    from common.config import PairsConfig
+    if where == "yaml":
+        path = tmp_path / "p.yaml"
+        path.write_text(f"task: cmv\ndata: [d.jsonl]\nsplit_by: period\ntest_fraction: {value}\n")
+        argv = ["--config", str(path)]
+    else:
+        argv = ["--config", "configs/smol/01_build_pairs.yaml", "--test_fraction", value]
+    with pytest.raises(ConfigError, match="field 'test_fraction' is not used with split_by period"):
+        parse_config(PairsConfig, argv)
+    config, _ = parse_config(PairsConfig, ["--config", "configs/smol/01_build_pairs.yaml"])  # left out: fine
+    assert config.split_by == "period"
+
+
+@pytest.mark.parametrize("writes", [1, 10_000])
+def test_a_full_disk_names_the_run_directory_when_the_error_names_no_file(tmp_path, monkeypatch, writes, capsys):
+    from common.cli import cli
+
+    def main(config, overrides):
+        run = Run("SFT", config, overrides, argv=["test"])
+        with open("/dev/full", "w") as f:  # a write that fails as on a full disk: no file name in the error
+            for _ in range(writes):
+                f.write("x" * 100)
+        run.finish({})
+    monkeypatch.setattr("sys.argv", ["stage", "--runs_dir", str(tmp_path / "runs"), "--run_name", "full"])
+    with pytest.raises(SystemExit) as exit_:
+        cli(main, DemoConfig)
+    import logging
+    for handler in logging.getLogger().handlers[:]:
+        if isinstance(handler, logging.FileHandler):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    assert str(exit_.value.code).startswith(f"error: writing in {tmp_path / 'runs' / 'full'}: No space left on device")
+
+
+@pytest.mark.parametrize("judges, ok", [(["--crossfit_judge_runs", "a", "b"], True), (["--judge_runs", "j"], True),
+                                        (["--reward_run", "r"], True), ([], False)])
+def test_replies_from_takes_any_judge_a_cross_fit_included(judges, ok):
+    from common.config import EvalConfig
+    argv = ["--config", "configs/tiny/05_eval.yaml", "--replies_from", "runs/E", *judges]
+    if ok:
+        assert parse_config(EvalConfig, argv)[0].replies_from == "runs/E"
+    else:
+        with pytest.raises(ConfigError, match="replies_from: give the judges"):
+            parse_config(EvalConfig, argv)

@@ -194,3 +194,25 @@ def test_wrapper_checks_before_launching(tmp_path, pairs_run):
     (taken / "DONE").write_text("")
     proc = stage_sh("--runs_dir", str(tmp_path), "--resume", str(taken), "--pairs_run", str(pairs_run))
     assert proc.returncode == 0 and "already DONE; nothing to do" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["../../../x/y", "../escape", "a/b", "/abs/path", ".."])
+def test_wrapper_refuses_a_run_name_that_leaves_the_runs_dir_before_touching_the_disk(tmp_path, pairs_run, name):
+    runs = tmp_path / "deep" / "er" / "runs"
+    runs.mkdir(parents=True)
+    proc = stage_sh("--runs_dir", str(runs), "--run_name", name, "--pairs_run", str(pairs_run))
+    assert proc.returncode == 2 and "must be one path component" in proc.stderr, proc.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == \
+        [Path("deep"), Path("deep/er"), Path("deep/er/runs")]
+
+
+@pytest.mark.parametrize("taken", [["08"], ["09", "3"], ["010"], ["7", "08", "19"]])
+def test_run_name_counts_in_base_ten(tmp_path, taken):
+    import datetime
+    prefix = datetime.date.today().strftime("%b%d") + "_SFT_Run"
+    for n in taken:
+        (tmp_path / f"{prefix}{n}").mkdir()
+    proc = subprocess.run(["bash", "slurm/run_name.sh", "SFT", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "LC_ALL": "C"})
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert proc.stdout.strip() == f"{prefix}{max(int(n) for n in taken) + 1}"
