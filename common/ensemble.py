@@ -43,14 +43,15 @@ def combine(z, how: str, lam: float = 1.0) -> np.ndarray:
 def check_members(config) -> list[dict]:
     """Stage 03, before its run directory exists: every member finished, unchanged, of config.pairs_run,
     with its training posts recorded (05 checks them). Returns what ensemble.json records of each."""
-    ours = str(Path(config.pairs_run).resolve())
+    # The pairs run by path and content (common/runs.py lineage): one rebuilt at the same path is another.
+    ours_path, ours_digest = lineage(check_input("pairs_run", config.pairs_run), Path(config.pairs_run))
     records = []
     for i, path in enumerate(config.ensemble_of):
         manifest = check_input(f"ensemble_of[{i}]", path)
-        theirs = lineage(manifest, Path(path))
-        if theirs != ours:
-            raise RunError(f"ensemble_of: judge {Path(path).name} ({path}) was trained on pairs run {theirs}, "
-                           f"not this ensemble's {ours}: an ensemble's judges must share one pairs run")
+        theirs_path, theirs_digest = lineage(manifest, Path(path))
+        if theirs_path != ours_path or (theirs_digest and ours_digest and theirs_digest != ours_digest):
+            raise RunError(f"ensemble_of: judge {Path(path).name} ({path}) was trained on pairs run {theirs_path}, "
+                           f"not this ensemble's {ours_path}: an ensemble's judges must share one pairs run")
         train_posts(path)
         records.append({"path": str(Path(path).resolve()), "run_name": manifest.get("run_name"),
                         "judge": manifest.get("judge"), "artifacts_sha256": digest_of(manifest["_digests"])})

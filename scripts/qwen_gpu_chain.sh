@@ -4,11 +4,13 @@
 #   1. the models from their carried parts (`python -m common.local_models pack KIND --out model_payload/KIND`
 #      here, then `bash model_payload/KIND/mN/append.sh` there, one piece a call, in order; docs/performance.md):
 #      Qwen2.5-Coder-1.5B-Instruct (the writer), Gemma-3-270M (a judge of another family and the fluency
-#      LM), SmolLM2-135M-Instruct (the smol-gpu writer, and a Llama-family judge)
-#   2. scripts/persuasion_real_weights.sh with RECIPE=configs/qwen-gpu (judges of three families:
-#      MiniLM, SmolLM2, Gemma; CANDIDATES_FILE and GRPO_ONLY below size it for one GPU)
+#      LM), Qwen2.5-Coder-0.5B and all-mpnet-base-v2 (judges of other families), SmolLM2-135M-Instruct
+#      (the smol-gpu writer, and a Llama-family judge)
+#   2. scripts/persuasion_real_weights.sh with RECIPE=configs/qwen-gpu (judges of several families:
+#      MiniLM, SmolLM2, mpnet, Gemma, Qwen 0.5B, the feature judge, the corruptions lever:
+#      configs/qwen-gpu/judges_later_posts_candidates.txt; GRPO_ONLY below sizes practice for one GPU)
 #   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
-#      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py)
+#      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
@@ -16,6 +18,8 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
 t0=$(date +%s)
 "$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --offline >&2
 "$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --offline >&2
+"$PY" -m common.local_models qwen05 --out .cache/models/qwen2.5-coder-0.5b-instruct --offline >&2
+"$PY" -m common.local_models mpnet --out .cache/models/all-mpnet-base-v2 --offline >&2
 "$PY" -m common.local_models smol --out .cache/models/smollm2-135m-instruct >&2
 built=$(( $(date +%s) - t0 ))
 # the GPU's peak memory, sampled every 5 s while the chain runs

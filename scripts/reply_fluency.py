@@ -3,9 +3,10 @@
     python scripts/reply_fluency.py EVAL_RUN_REPLIES_JSONL MODEL_DIR [--premises N] [--models base sft ...]
 
 A judge can prefer text that no reader would: word salad scores low perplexity under no language model.
-For each model of a stage-05 replies.jsonl, the mean per-token negative log-likelihood of its replies (alone,
-no premise) under MODEL_DIR (e.g. the base, .cache/models/smollm2-135m-instruct, in full precision), and
-its exponent, the perplexity. Prints JSON.
+For each model of a stage-05 replies.jsonl, its replies' mean per-token log-probability (alone, no premise)
+under MODEL_DIR (common/fluency.py: best a model of another family than the writer, e.g. Gemma-3-270M),
+as `mean_nll` and its exponent, the perplexity (replies weighted alike). Prints JSON. Stage 05 computes
+the same figures itself with `fluency_model_name_or_path`; this reads a finished run's replies.
 """
 from __future__ import annotations
 
@@ -15,24 +16,10 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import read_jsonl  # noqa: E402
-
-
-@torch.no_grad()
-def mean_nll(model, tokenizer, texts: list[str], max_tokens: int = 256) -> float:
-    total, count = 0.0, 0
-    for text in texts:
-        ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens)["input_ids"]
-        if ids.shape[1] < 2:
-            continue
-        loss = model(input_ids=ids, labels=ids).loss  # mean over the text's predicted tokens
-        total += loss.item() * (ids.shape[1] - 1)
-        count += ids.shape[1] - 1
-    return total / max(count, 1)
+from common.fluency import FluencyScorer, perplexity  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -41,16 +28,16 @@ def main(argv=None) -> dict:
     parser.add_argument("model", type=Path)
     parser.add_argument("--premises", type=int, default=30)
     parser.add_argument("--models", nargs="*")
+    parser.add_argument("--batch_size", type=int, default=16)
     args = parser.parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    scorer = FluencyScorer(args.model, batch_size=args.batch_size)
     rows = [row for _, row in read_jsonl(args.replies)][: args.premises]
     names = args.models or [k for k, v in rows[0].items() if isinstance(v, dict) and "reply" in v]
-    out = {"replies": str(args.replies), "model": str(args.model), "n_premises": len(rows), "models": {}}
+    out = {"replies": str(args.replies), "model": str(args.model), "family": scorer.family, "n_premises": len(rows),
+           "models": {}}
     for name in names:
-        nll = mean_nll(model, tokenizer, [row[name]["reply"] for row in rows])
-        out["models"][name] = {"mean_nll": nll, "perplexity": math.exp(nll)}
+        ppl = perplexity(scorer.score([[]] * len(rows), [row[name]["reply"] for row in rows]))
+        out["models"][name] = {"mean_nll": math.log(ppl), "perplexity": ppl}
     print(json.dumps(out, indent=2))
     return out
 

@@ -88,7 +88,7 @@ def judges(tmp_path_factory):
     """A pairs run split by period, two feature judges on it (16 and 8 train pairs), one on another pairs run."""
     runs = tmp_path_factory.mktemp("features") / "runs"
     pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
-                                 "--split_by", "period", "--test_fraction", "0.1", "--runs_dir", runs))
+                                 "--split_by", "period", "--runs_dir", runs))
     fit = lambda p, *a: run_dir_of(run_stage("03_train_reward.py", "--config",  # noqa: E731
                                              "configs/tiny/03_train_reward_features.yaml", "--pairs_run", p,
                                              "--runs_dir", runs, *a))

@@ -154,8 +154,8 @@ def test_eval_data_refuses_the_bundled_file_for_overlap_or_drops_and_counts_it(c
     proc = run_stage("05_eval.py", *args, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert line.startswith(f"error: {BUNDLED}: {len(trained)} of its 400 rows are papers of the pairs run's train "
-                           f"or dev split"), line
+    assert line.startswith(f"error: {BUNDLED}: {len(trained)} of its 400 rows are papers of the pairs run's train, "
+                           f"dev or dev_later split"), line
     run = run_dir_of(run_stage("05_eval.py", *args, "--skip_overlap", "true"))
     data = json.loads((run / "manifest.json").read_text())["eval_data"]
     (counts,) = data["files"]
