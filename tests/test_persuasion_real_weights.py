@@ -39,7 +39,9 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
             assert low <= scored["win_rate_vs_base"] <= high and "lc_win_rate_vs_base_ci95" in scored
             assert ("win_rate_vs_sft" in scored) == (name not in ("base", "sft")), name
     assert len(summary["grpo_recipes"]) == 4 and all(c["rewards"] for c in summary["grpo_recipes"].values())
-    assert len(summary["verdict"]) == len(models) - 1
+    per_model = [line for line in summary["verdict"] if line.startswith("**") and line[2:].split("**")[0] in models]
+    assert len(per_model) == len(models) - 1  # every model but the base; then the family and fluency lines
+    assert any(line.startswith("Fluency was not checked") for line in summary["verdict"])
     sweep = json.loads((tmp_path / "summary" / "persuasion_decoding_sweep.json").read_text())
     assert sweep["split"] == "dev" and sweep["chosen"] in sweep["decodings"] and len(sweep["decodings"]) == 5
     chosen = sweep["decodings"][sweep["chosen"]]
