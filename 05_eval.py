@@ -287,7 +287,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
                           config.n_report_samples, plots, verdict, sections,
                           reading=f"the prompt cut to {config.max_prompt_tokens} tokens ({task.READING})" +
                           ("; the rating is also read on every window" if windows else ""),
-                          decoding=describe_decoding(config), display=task.display, nouns=task.NOUNS,
+                          decoding=describe_decoding(config, run.manifest), display=task.display, nouns=task.NOUNS,
                           headline=headline)
     run.finish({"verdict": headline, "models": results, **task_report["baselines"], **judge_info,
                 "n_premises": len(premises), "report": str(report)})
@@ -299,16 +299,21 @@ def _finite(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def describe_decoding(config: EvalConfig) -> str:
-    """The decoding in words, for the report."""
+def describe_decoding(config: EvalConfig, manifest: dict) -> str:
+    """The decoding in words, for the report: this run's, or, with --replies_from, the source run's (its
+    decoding fields are this config's; its best-of-n is the manifest's, copied from the source)."""
     parts = ["greedy" if config.temperature == 0 else f"sampled (temperature {config.temperature:g}, seed {config.seed})"]
     if config.repetition_penalty != 1:
         parts.append(f"repetition penalty {config.repetition_penalty:g}")
     if config.no_repeat_ngram_size:
         parts.append(f"no repeated {config.no_repeat_ngram_size}-gram")
-    if config.best_of_n:
-        parts.append(f"best_of_n: {config.best_of_n} replies sampled at temperature {config.best_of_n_temperature:g}")
-    return ", ".join(parts)
+    best = manifest.get("best_of_n")
+    if best:
+        parts.append(f"best_of_n: {best['n']} replies of {best['from']} sampled at temperature {best['temperature']:g}")
+    said = ", ".join(parts)
+    if config.replies_from:
+        return f"read back from {Path(config.replies_from).name} (nothing generated here), written {said}"
+    return said
 
 
 def generation_speed(tokenizer, texts: list[str], seconds: float) -> dict:

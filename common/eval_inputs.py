@@ -158,6 +158,8 @@ def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
     results = read_json(source / "eval.json")
     speed = {name: results.get(name, {}).get("generation") for name in models}
     backends = manifest.get("backends") or {}
+    if manifest.get("best_of_n"):  # how the source picked its best_of_n replies: its provenance, kept
+        run.manifest["best_of_n"] = manifest["best_of_n"]
     run.manifest.update(replies_from={"path": str(source.resolve()), "run_name": source.name, "models": models},
                         decoding=manifest.get("decoding"),
                         backends={"replies_from": {k: v for k, v in backends.items() if k != "judge_scoring"},

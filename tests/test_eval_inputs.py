@@ -87,6 +87,22 @@ def test_replies_from_scores_the_same_replies_under_a_new_judge(cmv):
     assert "Nothing was generated" in (run / "report.md").read_text()
 
 
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_replies_from_keeps_the_source_decoding_and_best_of_n_provenance(cmv, temperature):
+    """Replies read back say they were read back, with the source's decoding and its best-of-n (how many,
+    from which model, at what temperature), not this run's settings: nothing was sampled here."""
+    common = ["--config", EVAL, "--reward_run", cmv["reward"], "--runs_dir", cmv["runs"]]
+    source = run_dir_of(run_stage("05_eval.py", *common, "--pairs_run", cmv["pairs"], "--sft_run", cmv["sft"],
+                                  "--best_of_n", "2", "--temperature", temperature, "--max_premises", "2"))
+    run = run_dir_of(run_stage("05_eval.py", *common, "--replies_from", source, "--judge_runs", cmv["new_judge"]))
+    theirs = json.loads((source / "manifest.json").read_text())["best_of_n"]
+    assert json.loads((run / "manifest.json").read_text())["best_of_n"] == theirs
+    report = (run / "report.md").read_text()
+    said = "greedy" if temperature == "0" else f"sampled (temperature {float(temperature):g}"
+    assert f"read back from {source.name} (nothing generated here), written {said}" in report
+    assert f"best_of_n: 2 replies of sft sampled at temperature {theirs['temperature']:g}" in report
+
+
 def test_replies_from_refuses_a_changed_replies_file_and_changed_decoding(cmv, tmp_path):
     changed = tmp_path / cmv["eval"].name
     shutil.copytree(cmv["eval"], changed)
