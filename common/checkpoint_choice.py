@@ -130,6 +130,8 @@ def plot_curve(out_dir: Path, curve: list[dict], chosen: int) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from common.report import save_figure
     steps = [c["step"] for c in curve]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
     for ax, key, title in ((axes[0], "judge_mean", "dev judges' mean score"),
@@ -139,8 +141,5 @@ def plot_curve(out_dir: Path, curve: list[dict], chosen: int) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
-    fig.tight_layout()
-    path = Path(out_dir) / "checkpoints.png"
-    fig.savefig(path)
-    plt.close(fig)
+    path = save_figure(fig, Path(out_dir) / "checkpoints.png")
     return path

@@ -210,6 +210,8 @@ def plot_sources(out_dir, points: dict[str, list[tuple[float, float]]]) -> dict:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from common.report import save_figure
     plots = {}
     for name, pts in points.items():
         fig, ax = plt.subplots(figsize=(4, 4), dpi=100)
@@ -220,9 +222,6 @@ def plot_sources(out_dir, points: dict[str, list[tuple[float, float]]]) -> dict:
         ax.set_xlabel("mean of the other reviewers" if name == "baseline_human" else "human rating (reviewers' mean)")
         ax.set_ylabel("one reviewer's rating" if name == "baseline_human" else f"{name}")
         ax.set_title(f"{name} ({len(pts)})")
-        fig.tight_layout()
-        path = Path(out_dir) / f"rating_{name}_scatter.png"
-        fig.savefig(path)
-        plt.close(fig)
+        path = save_figure(fig, Path(out_dir) / f"rating_{name}_scatter.png")
         plots[f"Rating: {name}"] = path
     return plots

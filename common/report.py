@@ -8,6 +8,15 @@ from pathlib import Path
 from common.data import n_words
 
 
+def save_figure(fig, path: Path) -> Path:
+    """A finished figure written as PNG and closed (its memory freed): every plot of the stages ends here."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: dict[str, list[float]],
                        counted: str = "premises") -> dict:
     """Two PNGs (matplotlib, no display): the reply-length (words) and reward distributions of the
@@ -32,10 +41,7 @@ def plot_distributions(out_dir: Path, replies: dict[str, list[str]], rewards: di
         ax.set_xlabel(xlabel)
         ax.set_ylabel(counted)
         ax.legend()
-        fig.tight_layout()
-        path = Path(out_dir) / f"{key}_hist.png"
-        fig.savefig(path)
-        plt.close(fig)
+        path = save_figure(fig, Path(out_dir) / f"{key}_hist.png")
         plots[f"{title} distribution"] = path
     return plots
 
@@ -57,10 +63,7 @@ def plot_ratings(out_dir: Path, pairs: dict[str, list[tuple[float, float]]]) -> 
     ax.set_ylabel("rating in the generated review")
     ax.set_title("Predicted vs human rating")
     ax.legend()
-    fig.tight_layout()
-    path = Path(out_dir) / "rating_scatter.png"
-    fig.savefig(path)
-    plt.close(fig)
+    path = save_figure(fig, Path(out_dir) / "rating_scatter.png")
     return {"Predicted vs human rating": path}
 
 
@@ -85,10 +88,7 @@ def plot_watch(out_dir: Path, per_step: dict[str, list[dict]]) -> dict:
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
-    fig.tight_layout()
-    path = Path(out_dir) / "grpo_watch.png"
-    fig.savefig(path)
-    plt.close(fig)
+    path = save_figure(fig, Path(out_dir) / "grpo_watch.png")
     return {"GRPO per step: the training judge's reward and the reward-hacking watch": path}
 
 
