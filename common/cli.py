@@ -165,12 +165,21 @@ def _is_list(annotation) -> bool:
     return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
 
 
+def _list_item(annotation):
+    lists = [annotation] if typing.get_origin(annotation) is list else \
+        [a for a in typing.get_args(annotation) if typing.get_origin(a) is list]
+    return (typing.get_args(lists[0]) or (str,))[0]
+
+
 def _parse_raw(key: str, raws: list[str], annotation):
-    """Command-line strings -> a value: list fields take each word or a YAML list, string fields keep
-    the text, anything else is read as YAML; `null` is None."""
+    """Command-line strings -> a value: list fields take each word (read as its item type: `--reward_weights
+    1 0.5`) or a YAML list, string fields keep the text, anything else is read as YAML; `null` is None."""
     where = f"command line: --{key}"
     if _is_list(annotation):
-        return load_yaml(raws[0], where) if len(raws) == 1 and raws[0].startswith("[") else list(raws)
+        if len(raws) == 1 and raws[0].startswith("["):
+            return load_yaml(raws[0], where)
+        item = _list_item(annotation)
+        return [raw if _accepts_str(item) else _parse_raw(key, [raw], item) for raw in raws]
     (raw,) = raws
     if raw.lower() in ("null", "~"):
         return None

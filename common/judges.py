@@ -19,7 +19,7 @@ from pathlib import Path
 from common.config import RewardStageConfig, load_run_config, to_dict
 from common.data import fold_of, load_split, premise_digest, raw_premise_digest, read_json, write_json
 from common.runs import RunError
-from common.verdict import families_of, model_family
+from common.verdict import families_of, judge_family
 
 TRAIN_POSTS = "train_posts.json"
 
@@ -65,7 +65,7 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
         info = {"path": str(Path(path).resolve()), "objective": config.judge_objective,
                 "backbone": config.judge_backbone,
                 "model": config.judge_model_name_or_path or config.model_name_or_path,
-                "family": model_family(config.judge_model_name_or_path or config.model_name_or_path),
+                "family": judge_family(config),
                 "train_split": config.train_split, "period": _period(config)}
         posts, premises = train_posts(path)
         overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or _seen(p, premises)})
@@ -154,7 +154,7 @@ class CrossFitScorer:
         self.info = {
             "path": [str(Path(p).resolve()) for p in by_fold], "objective": first.judge_objective,
             "backbone": first.judge_backbone, "model": first.judge_model_name_or_path or first.model_name_or_path,
-            "family": families_of(c.judge_model_name_or_path or c.model_name_or_path for c in configs),
+            "family": families_of(configs),
             "train_split": first.train_split, "train_also": first.train_also, "period": _period(first),
             "role": "other" if shared else "held_out", "n_train_posts": len(posts), "posts_shared_with_policy": shared,
             "posts_shared_with_scored_premises": 0, "cross_fit": {"folds": k, "premises_scored": counts},

@@ -37,9 +37,17 @@ def model_family(name_or_path: str | None) -> str:
         return UNKNOWN
 
 
-def families_of(paths) -> str:
-    """A judge made of several backbones (a cross-fit, an ensemble): their families, sorted and joined by '+'."""
-    return "+".join(sorted({model_family(p) for p in paths})) or UNKNOWN
+def judge_family(config) -> str:
+    """A trained judge's family: "features" for the feature judge (no neural model: the base named in its
+    config is only the pipeline's), else its backbone's model_type."""
+    if config.judge_backbone == "features":
+        return "features"
+    return model_family(config.judge_model_name_or_path or config.model_name_or_path)
+
+
+def families_of(configs) -> str:
+    """A judge made of several trained judges (a cross-fit, an ensemble): their families, sorted and joined by '+'."""
+    return "+".join(sorted({judge_family(c) for c in configs})) or UNKNOWN
 
 
 def reference_of(model: str, names) -> str | None:

@@ -2,6 +2,7 @@
 
     python scripts/judges_later_posts.py best2 [--k K] NAME=REWARD_RUN ...  # the 2 (K) single judges best on dev_later
     python scripts/judges_later_posts.py best NAME=REWARD_RUN ...      # prints `best: NAME RUN`
+    python scripts/judges_later_posts.py families --not NAME NAME=REWARD_RUN ...  # `NAME RUN FAMILY` a line
     python scripts/judges_later_posts.py summary OUT_DIR NAME=REWARD_RUN ... --ensemble ENSEMBLE_JSON
 
 Every choice is made on dev_later (later posts that are not the test), never on test. `summary` writes
@@ -11,6 +12,12 @@ bag-of-words baselines on each (from its judge_audit.json: fitted on the same tr
 true` on the single judge best on dev_later (the one the recipes use: stages 04 and 05 take one judge
 run), `baselines` (both, per split), and whether the default meets the targets on test. A single judge
 is any but a stage-03 ensemble (judge_backbone ensemble), which `best` and `best2` never pick.
+
+`best`, the judge a policy trains against, is the best on dev_later among the judges that pass the
+gibberish audit on dev_later (every corruption kind's share >= its target; common/corruptions.py): a
+judge a policy can fool with salad is the reward hack waiting to happen. When none passes, the best on
+dev_later, with a warning. `families` lists, for each family but NAME's, its best single judge on
+dev_later, best first: the held-out judges of other families are trained in those recipes.
 
 `levers` (also OUT_DIR/judges_later_posts.md) is one table on dev_later of what each lever added, from
 the judges' per-pair dev_later scores (<run>/dev_later_scores.jsonl), with paired bootstrap intervals:
@@ -44,7 +51,8 @@ def judge_row(run: Path) -> dict:
     audit = read_json(run / "judge_audit.json")
     metrics = read_json(run / "metrics.json")
     row = {"run": run.name, "pairs_run": Path(read_json(run / "manifest.json")["pairs_run"]).name,
-           "objective": metrics.get("judge_objective"), "early_stopping": metrics.get("early_stopping")}
+           "objective": metrics.get("judge_objective"), "early_stopping": metrics.get("early_stopping"),
+           "family": family(run), "gibberish_dev_later": gibberish_on_dev_later(run)}
     for split, period in SPLITS.items():
         judged = audit["judge"] if audit["split"] == split else audit["other_splits"][split]
         row[split] = {"period": audit["periods"].get(split, period), "n_pairs": judged["n_pairs"],
@@ -52,6 +60,19 @@ def judge_row(run: Path) -> dict:
                       "length_only": audit["baselines"]["length_only"][f"{split}_accuracy"],
                       "bag_of_words": audit["baselines"]["bag_of_words"][f"{split}_accuracy"]}
     return row
+
+
+def gibberish_on_dev_later(run: Path) -> float | None:
+    """The weakest corruption kind's share of verdicts for the real reply, on dev_later only (never test)."""
+    kinds = (read_json(run / "judge_audit.json").get("corruption") or {}).get("kinds") or {}
+    shares = [k["by_split"].get("dev_later", {}).get("share") for k in kinds.values()]
+    return min(shares) if shares and None not in shares else None
+
+
+def family(run: Path) -> str:
+    from common.config import load_run_config
+    from common.verdict import judge_family
+    return judge_family(load_run_config(run))
 
 
 def meets_target(row: dict) -> bool:
@@ -71,6 +92,27 @@ def is_ensemble(run: Path) -> bool:
 
 def best2(items: list[str], k: int = 2) -> list[Path]:
     return [run for _, run in ranked(items) if not is_ensemble(run)][:k]
+
+
+def best(items: list[str]) -> tuple[str, Path]:
+    singles = [(n, r) for n, r in ranked(items) if not is_ensemble(r)]
+    from common.corruptions import TARGET
+    passing = [(n, r) for n, r in singles if (gibberish_on_dev_later(r) or 0.0) >= TARGET]
+    if not passing:
+        print(f"warning: no judge passes the gibberish audit on dev_later (every kind >= {TARGET:.0%}); the best on "
+              f"dev_later ({singles[0][0]}) is taken anyway", file=sys.stderr)
+    return (passing or singles)[0]
+
+
+def families(items: list[str], not_of: str) -> list[tuple[str, Path, str]]:
+    """The best single judge on dev_later of each family but `not_of`'s, best first."""
+    runs = _named(items)
+    excluded, out = family(runs[not_of]), {}
+    for name, run in ranked(items):
+        fam = family(run)
+        if not is_ensemble(run) and fam != excluded and fam not in out:
+            out[fam] = (name, run, fam)
+    return list(out.values())
 
 
 def correct_on(run: Path, split: str = "dev_later") -> dict[str, float]:
@@ -140,7 +182,7 @@ def levers_markdown(table: list[dict], reference_note: str) -> str:
 
 def summary(out_dir: Path, items: list[str], ensemble: Path | None) -> dict:
     judges = {name: judge_row(run) for name, run in _named(items).items()}
-    default = next(name for name, run in ranked(items) if not is_ensemble(run))
+    default = best(items)[0]  # the training judge: `best` below
     judges[default]["default"] = True
     out = {"splits": SPLITS, "chosen_on": "dev_later", "judges": judges,
            "baselines": {name: {split: judges[default][split][name] for split in SPLITS}
@@ -176,6 +218,9 @@ def main(argv=None) -> None:
     pick.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     one = sub.add_parser("best")
     one.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
+    fams = sub.add_parser("families")
+    fams.add_argument("--not", dest="not_of", required=True, metavar="NAME")
+    fams.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     summ = sub.add_parser("summary")
     summ.add_argument("out_dir", type=Path)
     summ.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
@@ -184,8 +229,10 @@ def main(argv=None) -> None:
     if args.command == "best2":
         print("\n".join(map(str, best2(args.judges, args.k))))
     elif args.command == "best":
-        name, run = next((n, r) for n, r in ranked(args.judges) if not is_ensemble(r))
+        name, run = best(args.judges)
         print(f"best: {name} {run}")
+    elif args.command == "families":
+        print("\n".join(f"{name} {run} {fam}" for name, run, fam in families(args.judges, args.not_of)))
     else:
         summary(args.out_dir, args.judges, args.ensemble)
 

@@ -110,7 +110,8 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
     data = {"eval_run": eval_run.name, "commit": manifest.get("git", {}).get("commit"),
             "n_premises": results[models[0]]["n"], "decoding": manifest.get("decoding"),
             "best_of_n": manifest.get("best_of_n"), "verdict": metrics.get("verdict"),
-            "judges": {name: {"role": j["role"], **judge_on_test(paths.get(name), j)} for name, j in judges.items()},
+            "judges": {name: {"role": j["role"], "family": j.get("family"), **judge_on_test(paths.get(name), j)}
+                       for name, j in judges.items()},
             "models": {m: {"n": results[m]["n"], **{k: results[m][k] for k in SHAPE},
                            "bleu4": results[m]["bleu4"], "rougeL": results[m]["rougeL"],
                            "by_judge": {j: {k: v for k, v in results[m]["by_judge"][j].items() if k in KEYS}

@@ -10,6 +10,14 @@
 #      most first, as `grpo`), grpo_from_base, DPO, ORPO, under the training judge and both held-out ones
 #   -> the summary (scripts/persuasion_real_weights.py): SUMMARY_DIR/persuasion_real_weights.json and
 #      persuasion_grpo_rewards.png.
+# Held-out judges (posts the policy never saw: dev and the test folds): the cross-fit and the dev judge in
+# the training judge's recipe, and a dev judge (dev and dev_later posts) in the recipe of the best judge
+# on dev_later of each of the OTHER_FAMILIES (default 2) best other families (scripts/judges_later_posts.py
+# families): 05's verdict needs two families. FLUENCY_MODEL (a causal LM, best of another family than the
+# writer): 05 checks every reply's fluency under it, and the GRPO recipe par_fluency_gate runs: the judge
+# as PAR, replies below SFT's fluency gated to 0, a checkpoint every 4 steps chosen on dev by the best
+# judge of another family and the fluency check. DECODING: the decoding's arguments, chosen on dev
+# earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base.
 # RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny; configs/qwen-gpu with
 # MAX_PREMISES=100 and PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml: Qwen2.5-Coder-1.5B); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
@@ -25,6 +33,8 @@ LOGS=${LOGS:-$RUNS_DIR/logs}
 GRPO_ARGS=${GRPO_ARGS:-}
 BEST_OF_N=${BEST_OF_N:-4}
 MAX_PREMISES=${MAX_PREMISES:-1000}
+OTHER_FAMILIES=${OTHER_FAMILIES:-2}
+FLUENCY_MODEL=${FLUENCY_MODEL:-}
 mkdir -p "$SUMMARY_DIR" "$LOGS"
 declare -A DECODINGS=(  # each sets all three fields: the recipe's own decoding is not a starting point
   [greedy]="--temperature 0 --repetition_penalty 1 --no_repeat_ngram_size 0"
@@ -39,6 +49,9 @@ declare -A GRPO_RECIPES=(
   [lr1e-4_beta0.04_temperature0.8]="--learning_rate 1e-4 --beta 0.04 --temperature 0.8"
   [lr3e-4_unscaled]="--learning_rate 3e-4 --scale_rewards none"
 )
+# the anchored, gated recipe (its dev judge is only known after the sweep: DEV_JUDGE below)
+[[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
+  --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
 
 # 1. Pairs; SFT in the background while the judge candidates train and the best on dev_later is picked.
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
@@ -47,8 +60,14 @@ best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/j
   || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
 read -r _ judge_name judge <<<"$best"
 echo "training judge (best on dev_later): $judge_name $judge" >&2
+singles=(); for dir in "$LOGS"/judges/*.dir; do
+  name=$(basename "$dir" .dir); [[ $name == ensemble_* ]] || singles+=("$name=$(cat "$dir")"); done
+mapfile -t others < <("$PY" scripts/judges_later_posts.py families --not "$judge_name" "${singles[@]}" | head -n "$OTHER_FAMILIES")
+DEV_JUDGE=""; [[ -n ${others[0]:-} ]] && DEV_JUDGE="run:$(cut -d' ' -f2 <<<"${others[0]}")"
+echo "held-out judges of other families, in the recipes of: ${others[*]:-none}" >&2
 
-# 2. The held-out judges, in the training judge's recipe (its config.yaml), and the decoding sweep on dev.
+# 2. The held-out judges: in the training judge's recipe (its config.yaml) and in the best recipe of each
+#    other family; the decoding sweep on dev (unless DECODING gives the one chosen earlier).
 recipe=(--config "$judge/config.yaml" --pairs_run "$pairs")
 background crossfit0 03_train_reward.py "${recipe[@]}" --train_split test --train_also dev dev_later \
   --cross_fit_folds 2 --cross_fit_fold 0 --audit_split train --audit_extra_splits test --run_name HeldOut_CrossFit0
@@ -56,28 +75,41 @@ background crossfit1 03_train_reward.py "${recipe[@]}" --train_split test --trai
   --cross_fit_folds 2 --cross_fit_fold 1 --audit_split train --audit_extra_splits test --run_name HeldOut_CrossFit1
 background heldout_dev 03_train_reward.py "${recipe[@]}" --train_split dev --audit_split test \
   --audit_extra_splits dev_later --run_name HeldOut_Dev
-wait_for_all
-sft=$(cat "$LOGS/sft.dir")
-for name in "${!DECODINGS[@]}"; do
-  # shellcheck disable=SC2086  # the decoding's words are separate arguments
-  background "decoding_$name" 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
-    --sft_run "$sft" --split dev --max_premises "$MAX_PREMISES" ${DECODINGS[$name]} --run_name "Decoding_$name"
+heldout=(heldout_dev)
+for line in "${others[@]}"; do
+  read -r name run _ <<<"$line"
+  background "heldout_$name" 03_train_reward.py --config "$run/config.yaml" --pairs_run "$pairs" --train_split dev \
+    --train_also dev_later --audit_split test --run_name "HeldOut_Dev_$name"
+  heldout+=("heldout_$name")
 done
 wait_for_all
-sweep=(); for name in "${!DECODINGS[@]}"; do sweep+=("$name=$(cat "$LOGS/decoding_$name.dir")"); done
-decoding=$("$PY" scripts/persuasion_real_weights.py decoding "$SUMMARY_DIR" "${sweep[@]}")
+sft=$(cat "$LOGS/sft.dir")
+if [[ -n ${DECODING:-} ]]; then
+  decoding=$DECODING
+else
+  for name in "${!DECODINGS[@]}"; do
+    # shellcheck disable=SC2086  # the decoding's words are separate arguments
+    background "decoding_$name" 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
+      --sft_run "$sft" --split dev --max_premises "$MAX_PREMISES" ${DECODINGS[$name]} --run_name "Decoding_$name"
+  done
+  wait_for_all
+  sweep=(); for name in "${!DECODINGS[@]}"; do sweep+=("$name=$(cat "$LOGS/decoding_$name.dir")"); done
+  decoding=$("$PY" scripts/persuasion_real_weights.py decoding "$SUMMARY_DIR" "${sweep[@]}")
+fi
 echo "decoding (chosen on dev): $decoding" >&2
 
 # 3. Practice. A GRPO recipe stopped by its length guard is a finding, not a failure of the chain.
 #    GRPO_ONLY (names of GRPO_RECIPES) runs a subset: a larger writer on one GPU has time for fewer.
 for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
+  args=${GRPO_RECIPES[$name]}
+  [[ $args == *--checkpoint_eval_steps* ]] && args+=" --dev_judges ${DEV_JUDGE:-judge}"
   # shellcheck disable=SC2086
   background "grpo_$name" 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" --sft_run "$sft" \
-    --reward_run "$judge" ${GRPO_RECIPES[$name]} $GRPO_ARGS --run_name "GRPO_$name"
+    --reward_run "$judge" $args $GRPO_ARGS --run_name "GRPO_$name"
 done
 # shellcheck disable=SC2086
-background grpo_from_base 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" --pairs_run "$pairs" \
-  --reward_run "$judge" --learning_rate 1e-4 $GRPO_ARGS --run_name GRPO_from_base_lr1e-4
+[[ ${FROM_BASE:-1} == 1 ]] && background grpo_from_base 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" \
+  --pairs_run "$pairs" --reward_run "$judge" --learning_rate 1e-4 $GRPO_ARGS --run_name GRPO_from_base_lr1e-4
 background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft"
 background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo
 wait_for_all --allow_failures
@@ -91,9 +123,11 @@ policies=("${grpo[@]}")
 for name in grpo_from_base dpo orpo; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
 # 4. Every test premise, every model, every judge; the summary.
+judges=(); for name in "${heldout[@]}"; do judges+=("$(cat "$LOGS/$name.dir")"); done
+fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
-  --judge_runs "$(cat "$LOGS/heldout_dev.dir")" \
+  --judge_runs "${judges[@]}" "${fluency[@]}" \
   --crossfit_judge_runs "$(cat "$LOGS/crossfit0.dir")" "$(cat "$LOGS/crossfit1.dir")" \
   --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" --max_premises "$MAX_PREMISES" $decoding)
 "$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${recipes[@]}"

@@ -8,13 +8,18 @@
 #      (the smol-gpu writer, and a Llama-family judge)
 #   2. scripts/persuasion_real_weights.sh with RECIPE=configs/qwen-gpu (judges of several families:
 #      MiniLM, SmolLM2, mpnet, Gemma, Qwen 0.5B, the feature judge, the corruptions lever:
-#      configs/qwen-gpu/judges_later_posts_candidates.txt; GRPO_ONLY below sizes practice for one GPU)
+#      configs/qwen-gpu/judges_later_posts_candidates.txt; held-out judges of the two best other families;
+#      Gemma-3-270M as the fluency model; GRPO_ONLY, FROM_BASE and GRPO_ARGS below size practice for one
+#      GPU; DECODING: the decoding chosen on dev by the sweep of 2026-12-04, docs/results.md)
 #   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
 #      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
-export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} GRPO_ONLY=${GRPO_ONLY:-lr1e-4 lr1e-4_beta0.04_temperature0.8}
+export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
+  GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} FROM_BASE=${FROM_BASE:-0} GRPO_ARGS=${GRPO_ARGS:---max_prompts 96} \
+  FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
+  DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"}
 t0=$(date +%s)
 "$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --offline >&2
 "$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --offline >&2

@@ -18,6 +18,7 @@ from common.runs import Run, RunError, create_run_dir, run_dir_name
 class DemoConfig(RunArgs, ModelArgs, TrainArgs):
     pairs_run: str | None = None
     data: list[str] | None = None
+    weights: list[float] | None = None
 
 
 def test_run_dir_name_format():
@@ -70,6 +71,13 @@ def test_overrides_are_typed_and_returned(tmp_path):
     assert overrides == {"lora_r": 16, "run_name": "x1", "data": ["a.jsonl", "b.jsonl.gz"]}
     with pytest.raises(ConfigError, match="'lora_r' expects"):
         parse_config(DemoConfig, ["--lora_r", "big"])
+
+
+def test_a_list_of_numbers_takes_its_words_as_numbers():
+    config, _ = parse_config(DemoConfig, ["--weights", "1", "0.5", "--data", "1", "null"])
+    assert config.weights == [1.0, 0.5] and config.data == ["1", "null"]  # a list of strings keeps its words
+    with pytest.raises(ConfigError, match="'weights' expects"):
+        parse_config(DemoConfig, ["--weights", "one", "0.5"])
 
 
 def _finished_run(path, base, stage="SFT"):

