@@ -180,11 +180,11 @@ def levers_markdown(table: list[dict], reference_note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary(out_dir: Path, items: list[str], ensemble: Path | None) -> dict:
+def summary(out_dir: Path, items: list[str], ensemble: Path | None, failed: list[str] = ()) -> dict:
     judges = {name: judge_row(run) for name, run in _named(items).items()}
     default = best(items)[0]  # the training judge: `best` below
     judges[default]["default"] = True
-    out = {"splits": SPLITS, "chosen_on": "dev_later", "judges": judges,
+    out = {"splits": SPLITS, "chosen_on": "dev_later", "judges": judges, "failed": list(failed),
            "baselines": {name: {split: judges[default][split][name] for split in SPLITS}
                          for name in ("bag_of_words", "length_only")}}
     if ensemble:
@@ -225,6 +225,7 @@ def main(argv=None) -> None:
     summ.add_argument("out_dir", type=Path)
     summ.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     summ.add_argument("--ensemble", type=Path)
+    summ.add_argument("--failed", nargs="*", default=[], metavar="NAME", help="candidates that did not finish")
     args = parser.parse_args(argv)
     if args.command == "best2":
         print("\n".join(map(str, best2(args.judges, args.k))))
@@ -234,7 +235,7 @@ def main(argv=None) -> None:
     elif args.command == "families":
         print("\n".join(f"{name} {run} {fam}" for name, run, fam in families(args.judges, args.not_of)))
     else:
-        summary(args.out_dir, args.judges, args.ensemble)
+        summary(args.out_dir, args.judges, args.ensemble, args.failed)
 
 
 if __name__ == "__main__":

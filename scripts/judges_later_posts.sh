@@ -67,9 +67,10 @@ for name in "${!CANDIDATES[@]}"; do  # word splitting of the arguments is meant:
   background "$name" 03_train_reward.py ${CANDIDATES[$name]} --pairs_run "$pairs" --audit_split dev_later \
     --audit_extra_splits dev test --run_name "Judge_$name"
 done
-wait_for_all
+wait_for_all --allow_failures  # a candidate that fails is named (its log's end) and left out of the table
 judges=()
-for name in "${!CANDIDATES[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
+for name in "${!CANDIDATES[@]}"; do [[ -s "$LOGS/$name.dir" ]] && judges+=("$name=$(cat "$LOGS/$name.dir")"); done
+(( ${#judges[@]} )) || { echo "error: no judge candidate finished (logs in $LOGS)" >&2; exit 1; }
 best2=$("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
 mapfile -t two <<<"$best2"
 "$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
@@ -85,11 +86,12 @@ for k in ${ENSEMBLE_SIZES-2 3}; do
     ensembles+=("ensemble_${how}_best$k")
   done
 done
-wait_for_all
+wait_for_all --allow_failures
+failed=("${FAILED[@]}")
 singles=("${judges[@]}")
-for name in "${ensembles[@]}"; do judges+=("$name=$(cat "$LOGS/$name.dir")"); done
+for name in "${ensembles[@]}"; do [[ -s "$LOGS/$name.dir" ]] && judges+=("$name=$(cat "$LOGS/$name.dir")"); done
 "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" \
-  --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json"
+  --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json" ${failed[@]:+--failed "${failed[@]}"}
 echo "judges on later posts finished in $(( $(date +%s) - start )) s; pairs run: $pairs"
 echo "summary: $(cd "$SUMMARY_DIR" && pwd)/judges_later_posts.json"
 "$PY" scripts/judges_later_posts.py best "${singles[@]}"

@@ -17,7 +17,7 @@
 source "$(dirname "$0")/demo_lib.sh"
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
 export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
-  GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} FROM_BASE=${FROM_BASE:-0} GRPO_ARGS=${GRPO_ARGS:---max_prompts 96} \
+  GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} FROM_BASE=${FROM_BASE:-0} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} ENSEMBLE_SIZES=${ENSEMBLE_SIZES-2} \
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"}
 t0=$(date +%s)
