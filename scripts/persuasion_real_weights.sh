@@ -55,9 +55,17 @@ declare -A GRPO_RECIPES=(
 
 # 1. Pairs; SFT in the background while the judge candidates train and the best on dev_later is picked.
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
-background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs"
-best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \
-  || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
+# shellcheck disable=SC2086
+[[ -n ${SFT_RUN:-} ]] || background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" ${SFT_ARGS:-}
+if [[ -n ${JUDGES_DONE:-} ]]; then  # the candidates of an earlier sweep on this pairs run ($LOGS/judges/NAME.dir)
+  done_=(); for dir in "$LOGS"/judges/*.dir; do
+    name=$(basename "$dir" .dir); [[ $name == ensemble_* ]] || done_+=("$name=$(cat "$dir")"); done
+  "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${done_[@]}"
+  best=$("$PY" scripts/judges_later_posts.py best "${done_[@]}")
+else
+  best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \
+    || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
+fi
 read -r _ judge_name judge <<<"$best"
 echo "training judge (best on dev_later): $judge_name $judge" >&2
 singles=(); for dir in "$LOGS"/judges/*.dir; do
@@ -69,10 +77,12 @@ echo "held-out judges of other families, in the recipes of: ${others[*]:-none}" 
 # 2. The held-out judges: in the training judge's recipe (its config.yaml) and in the best recipe of each
 #    other family; the decoding sweep on dev (unless DECODING gives the one chosen earlier).
 recipe=(--config "$judge/config.yaml" --pairs_run "$pairs")
-background crossfit0 03_train_reward.py "${recipe[@]}" --train_split test --train_also dev dev_later \
-  --cross_fit_folds 2 --cross_fit_fold 0 --audit_split train --audit_extra_splits test --run_name HeldOut_CrossFit0
-background crossfit1 03_train_reward.py "${recipe[@]}" --train_split test --train_also dev dev_later \
-  --cross_fit_folds 2 --cross_fit_fold 1 --audit_split train --audit_extra_splits test --run_name HeldOut_CrossFit1
+if [[ ${CROSSFIT:-1} == 1 ]]; then
+  background crossfit0 03_train_reward.py "${recipe[@]}" --train_split test --train_also dev dev_later \
+    --cross_fit_folds 2 --cross_fit_fold 0 --audit_split train --audit_extra_splits test --run_name HeldOut_CrossFit0
+  background crossfit1 03_train_reward.py "${recipe[@]}" --train_split test --train_also dev dev_later \
+    --cross_fit_folds 2 --cross_fit_fold 1 --audit_split train --audit_extra_splits test --run_name HeldOut_CrossFit1
+fi
 background heldout_dev 03_train_reward.py "${recipe[@]}" --train_split dev --audit_split test \
   --audit_extra_splits dev_later --run_name HeldOut_Dev
 heldout=(heldout_dev)
@@ -83,7 +93,7 @@ for line in "${others[@]}"; do
   heldout+=("heldout_$name")
 done
 wait_for_all
-sft=$(cat "$LOGS/sft.dir")
+sft=${SFT_RUN:-$(cat "$LOGS/sft.dir")}
 if [[ -n ${DECODING:-} ]]; then
   decoding=$DECODING
 else
@@ -123,12 +133,12 @@ policies=("${grpo[@]}")
 for name in grpo_from_base dpo orpo; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
 # 4. Every test premise, every model, every judge; the summary.
+crossfit=(); [[ ${CROSSFIT:-1} == 1 ]] && crossfit=(--crossfit_judge_runs "$(cat "$LOGS/crossfit0.dir")" "$(cat "$LOGS/crossfit1.dir")")
 judges=(); for name in "${heldout[@]}"; do judges+=("$(cat "$LOGS/$name.dir")"); done
 fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
-  --judge_runs "${judges[@]}" "${fluency[@]}" \
-  --crossfit_judge_runs "$(cat "$LOGS/crossfit0.dir")" "$(cat "$LOGS/crossfit1.dir")" \
+  --judge_runs "${judges[@]}" "${fluency[@]}" "${crossfit[@]}" \
   --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" --max_premises "$MAX_PREMISES" $decoding)
 "$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${recipes[@]}"
 
