@@ -34,7 +34,6 @@ Bad-input policy:
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from collections import Counter
@@ -42,28 +41,22 @@ from pathlib import Path
 
 from common.cli import cli
 from common.config import PairsConfig
-from common.data import (
-    DataError,
-    SeenRows,
-    balance_split,
-    length_kinds,
-    length_only_accuracy,
-    read_jsonl,
-    split_by_group,
-    split_by_period,
-    write_jsonl,
-)
+from common.data import balance_split, length_kinds, length_only_accuracy, split_by_group, split_by_period, write_jsonl
 from common.runs import Run
+from common.source_rows import SourceRows
 from common.tasks import get_task
+from common.tasks.protocol import options as task_options
 
 log = logging.getLogger("pipeline")
 SPLITS = ("train", "dev", "dev_later", "test")  # dev_later: split_by period only
 
 
 def main(config: PairsConfig, overrides: dict) -> None:
-    # 1. Seed, run directory, inputs recorded with their digests.
+    # 1. Seed, the task and its options (checked before anything is made), run directory, inputs
+    #    recorded with their digests.
     random.seed(config.seed)
     task = get_task(config.task)
+    options = task_options(task, config.task_options)
     run = Run("Pairs", config, overrides, inputs={**{f"data[{i}]": path for i, path in enumerate(config.data)},
                                                   **{f"pdf[{i}]": path for i, path in enumerate(config.pdf)}})
     run.manifest["task"] = task.NAME
@@ -72,103 +65,96 @@ def main(config: PairsConfig, overrides: dict) -> None:
 
     # 2. Source rows -> examples (CMV: one pair; review: one paper's target, or one per review), every
     #    row either used or counted under a drop reason, and every unit inside a row counted too.
-    n_rows, n_used, dropped, scrubbed, units = 0, 0, Counter(), Counter(), Counter()
-    examples, seen = [], SeenRows()
-    for i, path in enumerate(config.data):
-        rows_before, digest = n_rows, hashlib.sha256()
-        for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows, digest=digest):  # damage always raises
-            n_rows += 1
-            if row is None and config.skip_bad_rows:  # not UTF-8 or not JSON (or a bare null), skipped
-                dropped["bad_row"] += 1
-                continue
-            try:
-                made = task.rows_from(row, where, config)
-            except DataError:
-                if not config.skip_bad_rows:
-                    raise
-                dropped["bad_row"] += 1
-                continue
-            reason = made if isinstance(made, str) else None
-            reason = reason or seen.repeat(made)  # an earlier row's pair, or its premise under another id
-            units.update({f"{k}{'' if reason is None else '_in_dropped_rows'}": v for k, v in task.input_units(row).items()})
-            if reason is not None:
-                dropped[reason] += 1
-                continue
-            n_used += 1
-            seen.add(made)
-            for e in made:
-                scrubbed.update(e.get("scrubbed", []))  # texts whose give-aways were removed, by rule
-                examples.append(e)
-        run.manifest["inputs"][f"data[{i}]"]["sha256"] = digest.hexdigest()  # of the bytes read, not a re-read
-        if n_rows == rows_before:
-            run.fail({"task": task.NAME, "n_input_rows": n_rows, "dropped": dict(sorted(dropped.items()))},
-                     f"{path}: no rows (the file is empty or holds only blank lines): nothing to build pairs from")
-    log.info("%d rows -> %d usable rows, %d examples", n_rows, n_used, len(examples))
+    rows = read_rows(config, task, options, run)
 
     # 3. Split by premise (post, paper), then balance each split so reply length cannot pick the winner
     #    (lengths are measured on the scrubbed texts, the ones written). Rows without a loser (review)
     #    have nothing to balance.
-    strategy = config.length_balance if task.PAIRWISE else "none"
-    if config.split_by == "period":  # test: the later period's posts, to see whether a judge transfers
-        splits = split_by_period(examples, config.dev_fraction, config.seed, config.later_dev_fraction)
-    else:
-        splits = {"dev_later": [], **split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
-                                                               "dev": config.dev_fraction,
-                                                               "test": config.test_fraction}, config.seed)}
-    # Rows of unknown (or another) period that went to test with their post's later-period rows.
-    moved = [p for p in splits["test"] + splits["dev_later"] if p.get("source_split") != "heldout"] \
-        if config.split_by == "period" else []
+    splits, moved = split_examples(config, rows.examples)
     kept = SPLITS if config.split_by == "period" else tuple(n for n in SPLITS if n != "dev_later")
-    length_before = {name: length_only_accuracy(splits[name]) for name in kept} if task.PAIRWISE else None
-    kinds_before = length_kinds(examples) if task.PAIRWISE else None
+    before = {"length_only_accuracy_before_balancing": {name: length_only_accuracy(splits[name]) for name in kept},
+              "length_kinds_before_balancing": length_kinds(rows.examples)} if task.PAIRWISE else \
+        {"length_only_accuracy_before_balancing": None, "length_kinds_before_balancing": None}
+    strategy = config.length_balance if task.PAIRWISE else "none"
     for name in splits:
         splits[name], removed = balance_split(splits[name], strategy, config.max_length_ratio, config.seed)
-        dropped.update(removed)
-        n_used -= sum(removed.values())  # a CMV row is one pair: a pair balanced away is its row dropped
+        rows.drop_balanced(removed)
 
     # 4. Write the splits and the accounting: n_rows_used + sum(dropped) == n_input_rows.
     for name in kept:
         write_jsonl(run.dir / f"{name}.jsonl", splits[name])
-    metrics = {
-        "task": task.NAME,
-        "n_input_rows": n_rows,
-        "n_rows_used": n_used,
-        "n_pairs": {name: len(splits[name]) for name in kept},  # examples (pairs, review targets) per split
-        "n_groups": {name: len({p["group_id"] for p in splits[name]}) for name in kept},
-        "split_by": config.split_by,
-        # the source's periods in each split, as kept (CMV: train, heldout = the later period, unknown)
-        "source_split": {name: dict(sorted(Counter(str(p.get("source_split")) for p in splits[name]).items()))
-                         for name in kept},
-        "dropped": dict(sorted(dropped.items())),
-        "renamed_ids": seen.renamed,  # rows kept under a new id: an earlier row with other content had theirs
-        "input_units": dict(sorted(units.items())),  # review: every input review, used or not
-        "length_only_accuracy": {name: length_only_accuracy(splits[name]) for name in kept} if task.PAIRWISE else None,
-        "length_only_accuracy_before_balancing": length_before,
-        "length_balance": strategy,
-        "length_kinds_before_balancing": kinds_before,
-        # pairs kept / (2 x min(winner longer, winner shorter)) over the usable pairs
-        "kept_vs_balanced_max": _kept_share(splits, kinds_before) if task.PAIRWISE else None,
-        "scrubbed": dict(sorted(scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
-    }
-    if config.split_by == "period":  # counted before balancing, like the splits they were assigned to
-        metrics["test_rows_of_other_periods_with_their_post"] = {
-            "posts": len({p["group_id"] for p in moved}), "rows": len(moved)}
-    if config.pdf:  # a PDF is named after its paper's id: one that names no paper kept was not read
-        metrics["pdf_unused"] = sorted(p for p in config.pdf if Path(p).stem not in {e["group_id"] for e in examples})
-        if metrics["pdf_unused"]:
-            log.warning("%d PDF(s) name no paper that was kept: %s", len(metrics["pdf_unused"]), metrics["pdf_unused"])
-    accounted = n_used + sum(dropped.values())
-    assert accounted == n_rows, f"row accounting is off: {accounted} accounted for, {n_rows} read"
+    metrics = accounting(config, task, rows, {name: splits[name] for name in kept}, before, strategy, moved)
+    assert rows.accounted(), f"row accounting is off: {rows.n_used} used, {dict(rows.dropped)}, {rows.n_rows} read"
     log.info("examples per split %s, dropped %s, length-only accuracy %s",
              metrics["n_pairs"], metrics["dropped"], metrics["length_only_accuracy"])
 
     # 5. A pairs run that a later stage cannot use is not finished: no DONE.
     empty = [name for name in ("train", "test") if not splits[name]]
     if empty:
-        run.fail(metrics, f"no pairs in the {' and '.join(empty)} split(s) of {n_rows} input rows of "
+        run.fail(metrics, f"no pairs in the {' and '.join(empty)} split(s) of {rows.n_rows} input rows of "
                           f"{', '.join(config.data)} (dropped: {metrics['dropped'] or 'none'}): check --data and "
                           f"the split and length settings")
     run.finish(metrics)
+
+
+def read_rows(config: PairsConfig, task, options, run: Run) -> SourceRows:
+    """Every --data file's rows, counted (common/source_rows.py); a file with no rows ends the run unfinished."""
+    rows = SourceRows()
+    for i, path in enumerate(config.data):
+        rows_before = rows.n_rows
+        run.manifest["inputs"][f"data[{i}]"]["sha256"] = rows.read_file(path, task, config, options)  # bytes read
+        if rows.n_rows == rows_before:
+            run.fail({"task": task.NAME, "n_input_rows": rows.n_rows, "dropped": dict(sorted(rows.dropped.items()))},
+                     f"{path}: no rows (the file is empty or holds only blank lines): nothing to build pairs from")
+    log.info("%d rows -> %d usable rows, %d examples", rows.n_rows, rows.n_used, len(rows.examples))
+    return rows
+
+
+def split_examples(config: PairsConfig, examples: list[dict]) -> tuple[dict, list[dict]]:
+    """The splits by post (dev_later empty), or by period; and, by period, the rows of unknown (or another)
+    period that went to test or dev_later with their post's later-period rows."""
+    if config.split_by == "period":  # test: the later period's posts, to see whether a judge transfers
+        splits = split_by_period(examples, config.dev_fraction, config.seed, config.later_dev_fraction)
+        return splits, [p for p in splits["test"] + splits["dev_later"] if p.get("source_split") != "heldout"]
+    return {"dev_later": [], **split_by_group(examples, {"train": 1 - config.dev_fraction - config.test_fraction,
+                                                         "dev": config.dev_fraction,
+                                                         "test": config.test_fraction}, config.seed)}, []
+
+
+def accounting(config: PairsConfig, task, rows: SourceRows, splits: dict, before: dict, strategy: str,
+               moved: list[dict]) -> dict:
+    """metrics.json: the counts of every row, the splits as written, and the length shortcut before and after
+    balancing."""
+    metrics = {
+        "task": task.NAME,
+        "n_input_rows": rows.n_rows,
+        "n_rows_used": rows.n_used,
+        "n_pairs": {name: len(split) for name, split in splits.items()},  # examples (pairs, review targets) per split
+        "n_groups": {name: len({p["group_id"] for p in split}) for name, split in splits.items()},
+        "split_by": config.split_by,
+        # the source's periods in each split, as kept (CMV: train, heldout = the later period, unknown)
+        "source_split": {name: dict(sorted(Counter(str(p.get("source_split")) for p in split).items()))
+                         for name, split in splits.items()},
+        "dropped": dict(sorted(rows.dropped.items())),
+        "renamed_ids": rows.seen.renamed,  # rows kept under a new id: an earlier row with other content had theirs
+        "input_units": dict(sorted(rows.units.items())),  # review: every input review, used or not
+        "length_only_accuracy": {name: length_only_accuracy(split) for name, split in splits.items()}
+        if task.PAIRWISE else None,
+        "length_only_accuracy_before_balancing": before["length_only_accuracy_before_balancing"],
+        "length_balance": strategy,
+        "length_kinds_before_balancing": before["length_kinds_before_balancing"],
+        # pairs kept / (2 x min(winner longer, winner shorter)) over the usable pairs
+        "kept_vs_balanced_max": _kept_share(splits, before["length_kinds_before_balancing"]) if task.PAIRWISE else None,
+        "scrubbed": dict(sorted(rows.scrubbed.items())),  # kept-or-not texts changed, by rule (not drops)
+    }
+    if config.split_by == "period":  # counted before balancing, like the splits they were assigned to
+        metrics["test_rows_of_other_periods_with_their_post"] = {
+            "posts": len({p["group_id"] for p in moved}), "rows": len(moved)}
+    if config.pdf:  # a PDF is named after its paper's id: one that names no paper kept was not read
+        metrics["pdf_unused"] = sorted(p for p in config.pdf if Path(p).stem not in {e["group_id"] for e in rows.examples})
+        if metrics["pdf_unused"]:
+            log.warning("%d PDF(s) name no paper that was kept: %s", len(metrics["pdf_unused"]), metrics["pdf_unused"])
+    return metrics
 
 
 def _kept_share(splits: dict, kinds: dict) -> float | None:

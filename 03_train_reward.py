@@ -91,6 +91,35 @@ def build_trainer(config: RewardStageConfig, run, scorer, train_rows: list[dict]
     return trainer, len(train_set) - len(trainer.train_dataset)
 
 
+def train_model_judge(config: RewardStageConfig, run, train_rows: list[dict], hard_rows: list[dict],
+                      hard_counts: dict, dev_rows: list[dict]):
+    """Steps 3-4 of a model judge; returns its scorer, the run's metrics so far, the pairs dropped for their
+    length and the corruption pairs' counts."""
+    # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
+    #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
+    #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
+    #    --corruptions: each kind's (real reply over its corruption) pairs, made of what the judge reads of
+    #    each reply (common/corruptions.py).
+    scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
+    model, tokenizer = scorer.model, scorer.tokenizer
+    bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share,
+                                            scorer.visible_reply) if config.corruptions else ([], {})
+    log.info("plus %d corruption pairs %s and %d hard-negative pairs %s", len(bad_rows),
+             bad_counts.get("corruption_pairs", {}), len(hard_rows), hard_counts)
+    trainer, n_dropped = build_trainer(config, run, scorer, train_rows + hard_rows + bad_rows, dev_rows)
+    if n_dropped:
+        log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
+
+    # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
+    metrics = train(trainer, run)
+    if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
+        metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
+                                     f"best_{config.audit_split}_loss": trainer.state.best_metric,
+                                     "epochs_trained": trainer.state.epoch}
+    save_adapter(model, tokenizer, run)
+    return scorer, metrics, n_dropped, bad_counts
+
+
 def main(config: RewardStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished; the base lock.
     set_seed(config.seed)
@@ -132,31 +161,9 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     #     an ensemble loads its judge runs and measures each one's scale on the train replies
     #     (ensemble.json, train_posts.json: its members' posts). Both are judged and audited below.
     if config.judge_backbone in ("features", "ensemble"):
-        scorer, metrics, n_dropped = fit_without_training(config, run, train_rows, members), {}, 0
-        bad_counts = {}
-    else:
-        # 3. Model: a sequence classifier with num_labels=1 (4-bit + LoRA, the head trained with it; or
-        #    an encoder, fully fine-tuned), wrapped in the scorer that encodes its inputs. Pairwise: TRL's
-        #    RewardTrainer on (winner, loser); pointwise: the Trainer with BCE on single replies.
-        #    --corruptions: each kind's (real reply over its corruption) pairs, made of what the judge reads of
-        #    each reply (common/corruptions.py).
-        scorer = RewardScorer.load(config, batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
-        model, tokenizer = scorer.model, scorer.tokenizer
-        bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share,
-                                                scorer.visible_reply) if config.corruptions else ([], {})
-        log.info("plus %d corruption pairs %s and %d hard-negative pairs %s", len(bad_rows),
-                 bad_counts.get("corruption_pairs", {}), len(hard_rows), hard_counts)
-        trainer, n_dropped = build_trainer(config, run, scorer, train_rows + hard_rows + bad_rows, dev_rows)
-        if n_dropped:
-            log.warning("RewardTrainer dropped %d pairs longer than max_length=%d", n_dropped, config.max_length)
-
-        # 4. Train (resuming this run's last checkpoint if any), save adapter + head.
-        metrics = train(trainer, run)
-        if config.early_stopping_patience:  # the weights now are the best epoch's (load_best_model_at_end)
-            metrics["early_stopping"] = {"best_step": trainer.state.best_global_step,
-                                         f"best_{config.audit_split}_loss": trainer.state.best_metric,
-                                         "epochs_trained": trainer.state.epoch}
-        save_adapter(model, tokenizer, run)
+        scorer, metrics, n_dropped, bad_counts = fit_without_training(config, run, train_rows, members), {}, 0, {}
+    else:  # 3-4. A model judge, trained (train_model_judge)
+        scorer, metrics, n_dropped, bad_counts = train_model_judge(config, run, train_rows, hard_rows, hard_counts, dev_rows)
 
     # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
     prompts = [r["prompt"] for r in dev_rows]

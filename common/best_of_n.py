@@ -41,3 +41,28 @@ def keep_best(prompts: list, candidates: list[list[str]], score, passed: list[li
             lps = [-math.inf if math.isnan(v) else v for v in log_probs[i]]
             best.append(texts[max(range(len(texts)), key=lps.__getitem__)])
     return best, scores
+
+
+def pick(config, manifest: dict, prompts: list, candidates: list[list[str]], log_probs: dict | None,
+         candidate_log_probs: list[list[float]] | None) -> tuple[list[str], list[list[float]], list | None]:
+    """Stage 05's model best_of_n: `best_of_n_scorer`'s favourite (the training judge by default) among the
+    candidates that pass the fluency gate against their source model's greedy replies (`log_probs`, with a
+    fluency model). Returns the picks, every candidate's score and which passed (None without a gate);
+    the scorer and the gate go into `manifest["best_of_n"]`."""
+    from common.config import ConfigError
+    from common.scorers import ScorerError, load_scorer
+    source = manifest["best_of_n"]["from"]
+    try:
+        scorer = load_scorer(config.best_of_n_scorer or f"run:{config.reward_run}", batch_size=config.batch_size,
+                             packed=config.fast_paths)
+    except ScorerError as err:
+        raise ConfigError(f"field 'best_of_n_scorer': {err}", "best_of_n_scorer") from None
+    passed = fluency_gate(candidate_log_probs, log_probs[source], config.best_of_n_fluency_margin) \
+        if candidate_log_probs and source in log_probs else None
+    manifest["best_of_n"].update(
+        scorer=config.best_of_n_scorer or f"run:{config.reward_run}",
+        fluency_gate=f"mean log-prob >= {source}'s greedy reply's - {config.best_of_n_fluency_margin:g}"
+        if passed else "none (no fluency model, or no greedy reply of its source)",
+        passed_share=sum(map(sum, passed)) / sum(map(len, passed)) if passed else None)
+    best, scores = keep_best(prompts, candidates, scorer.score, passed, candidate_log_probs)
+    return best, scores, passed

@@ -19,6 +19,8 @@ from typing import ClassVar, Literal
 
 import yaml
 
+from common.tasks import TASKS  # the names only: a task module imports this one
+
 
 class ConfigError(ValueError):
     """A bad setting. `field` names it, so the parser can say where the value came from."""
@@ -180,7 +182,9 @@ class PairsConfig(RunArgs):
     """Stage 01: source rows -> split, length-balanced pairs."""
     STAGE: ClassVar[str] = "Pairs"
 
-    task: Literal["cmv", "review"] = arg("cmv", "the task whose source rows are read (common/tasks/)")
+    task: str = arg("cmv", "the task whose source rows are read, a name in common/tasks/__init__.py's TASKS")
+    task_options: dict = arg(help="the task's own options, a mapping its `Options` dataclass checks (the cmv and "
+                                  "review tasks have none yet; docs/architecture.md, Adding a task)", factory=dict)
     data: list[str] = arg(help="JSONL or JSONL.gz files in the task's bundled format",
                           factory=lambda: ["data/cmv/cmv_pairs.jsonl.gz"])
     premise_words: int = arg(470, "words of the post body kept in the premise", ge=1)
@@ -220,6 +224,9 @@ class PairsConfig(RunArgs):
                               "posts): leave it out", "later_dev_fraction")
 
     def check(self):
+        if self.task not in TASKS:
+            raise ConfigError(f"field 'task' expects one of the registered tasks ({', '.join(sorted(TASKS))}), got "
+                              f"{shown(self.task)}", "task")
         if self.split_by == "period" and self.task != "cmv":
             raise ConfigError(f"field 'split_by': period needs rows that carry their source's period "
                               f"(source_split); the {self.task} task has none: use post", "split_by")

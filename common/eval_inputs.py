@@ -30,6 +30,7 @@ from common.data import (
 )
 from common.report import md, md_code
 from common.runs import RunError, check_input
+from common.tasks.protocol import options as task_options
 
 # What made a finished eval run's replies and what they answer: --replies_from takes them from that
 # run, so that the replies are scored against the premises and references they were written for.
@@ -77,6 +78,7 @@ def premises_from_files(config, task, run=None) -> tuple[list[dict], dict]:
     pairs = load_run_config(config.pairs_run)  # its rows are read as the pairs run read its own
     if getattr(pairs, "split_by", None) == "period":  # new posts need no period: none of them is split here
         pairs = dataclasses.replace(pairs, split_by="post", test_fraction=0.1)
+    options = task_options(task, pairs.task_options)
     # dev_later too: judges and recipes were chosen on it, so it is no more held out than dev
     trained = [r for split in ("train", "dev", "dev_later") for r in _split_if_any(config.pairs_run, split)]
     posts, texts, near = {r["group_id"] for r in trained}, {premise_digest(r) for r in trained}, NearDuplicates()
@@ -90,7 +92,7 @@ def premises_from_files(config, task, run=None) -> tuple[list[dict], dict]:
         for where, row in read_jsonl(path, skip_invalid=config.skip_bad_rows, digest=digest):  # damage always raises
             n_rows += 1
             try:
-                made = "bad_row" if row is None and config.skip_bad_rows else task.rows_from(row, where, pairs)
+                made = "bad_row" if row is None and config.skip_bad_rows else task.rows_from(row, where, pairs, options)
             except DataError:
                 if not config.skip_bad_rows:
                     raise

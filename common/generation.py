@@ -5,6 +5,9 @@ Llama-family models decode with the static decoder (common/fast/static_decoder.p
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 from transformers import LogitsProcessorList
 
@@ -64,3 +67,36 @@ def decoder_backends(model, static: bool, weights: str) -> dict:
     """For the manifest: the decoder that runs, and how the static one reads the base weights."""
     decoder = decoder_for(model, static)
     return {"decoder": decoder, **({"decoder_weights": weights_backend(model, weights)} if decoder == "static" else {})}
+
+
+@contextlib.contextmanager
+def adapter_on(model, name: str):
+    """The model as `name`: "base" with every adapter disabled, else that adapter active."""
+    if name == "base":
+        with model.disable_adapter():
+            yield model
+    else:
+        model.set_adapter(name)
+        yield model
+
+
+def replies_of(model, tokenizer, prompts: list[list[dict]], config, n: int = 1,
+               temperature: float | None = None) -> tuple[list[str], dict]:
+    """Stage 05: the active model's replies with the config's decoding (`n` a prompt, in prompt order, at
+    `temperature` when given), and their speed (generation_speed)."""
+    started = time.perf_counter()
+    decoding = {**config.decoding(), **({"temperature": temperature} if temperature is not None else {})}
+    replies = generate_replies(model, tokenizer, [p for p in prompts for _ in range(n)], config.max_new_tokens,
+                               config.batch_size, **decoding)
+    return replies, generation_speed(tokenizer, replies, time.perf_counter() - started)
+
+
+def generation_speed(tokenizer, texts: list[str], seconds: float) -> dict:
+    """Wall time of one model's generation and its new tokens a second (the replies re-tokenised)."""
+    n = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    return {"seconds": round(seconds, 2), "new_tokens": n, "new_tokens_per_s": round(n / max(seconds, 1e-9), 1)}
+
+
+def in_groups(flat: list, n: int) -> list[list]:
+    """n items a prompt, in prompt order -> one list a prompt."""
+    return [flat[i:i + n] for i in range(0, len(flat), n)]

@@ -19,6 +19,7 @@ from pathlib import Path
 from common.config import RewardStageConfig, load_run_config, to_dict
 from common.data import fold_of, load_split, premise_digest, raw_premise_digest, read_json, write_json
 from common.runs import RunError
+from common.scorers import register
 from common.verdict import families_of, judge_family
 
 TRAIN_POSTS = "train_posts.json"
@@ -171,6 +172,14 @@ class CrossFitScorer:
         return loaded
 
     @property
+    def spec(self) -> str:
+        """Its load_scorer spec, `crossfit:RUN,RUN,...` (the fold judges in fold order)."""
+        if any("," in str(p) for p in self.runs):
+            raise RunError(f"--crossfit_judge_runs: a run path holds a comma ({next(p for p in self.runs if ',' in str(p))}), "
+                           f"which the spec crossfit:RUN,RUN,... cannot hold: move or rename the run")
+        return "crossfit:" + ",".join(map(str, self.runs))
+
+    @property
     def scoring(self) -> str:
         return self.scorers[0].scoring
 
@@ -193,6 +202,14 @@ class CrossFitScorer:
             for i, score in zip(mine, scorer.score([prompts[i] for i in mine], [replies[i] for i in mine])):
                 scores[i] = score
         return scores
+
+
+@register("crossfit")
+def _crossfit(runs: str, premises: list[dict], prompts: list[list[dict]], pairs_run: str, batch_size: int = 8,
+              packed: bool = True, **_) -> CrossFitScorer:
+    """`crossfit:RUN,RUN,...` (CrossFitScorer.spec): the cross-fit as one Scorer of the premises given, its
+    fold judges loaded."""
+    return CrossFitScorer(runs.split(","), premises, prompts, pairs_run, taken={}).load(batch_size, packed)
 
 
 def load_judge(source, batch_size: int = 8, packed: bool = True):

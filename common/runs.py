@@ -23,7 +23,7 @@ import yaml
 from common import provenance, tracking
 from common.config import PLAIN_PATHS, to_dict
 from common.data import DataError, read_manifest, write_json
-from common.tasks import TASKS
+from common.tasks import TASKS, get_task
 
 log = logging.getLogger("pipeline")
 
@@ -97,7 +97,7 @@ class Run:
         self.inputs = {name: check_input(name, path) for name, path in (inputs or {}).items()}
         self.pairs_run, self.task, self.pairs_digest = _common_lineage(self.inputs, inputs or {})
         if self.task in TASKS:  # settings the task cannot work with, refused before anything is made
-            TASKS[self.task].check_config(config)
+            get_task(self.task).check_config(config)
         if self.pairs_run and "pairs_run" not in self.inputs:  # inherited (04): it must be unchanged too
             self.pairs_digest = _same_content(self.pairs_run, check_input("pairs_run", self.pairs_run),
                                               self.pairs_digest)

@@ -89,7 +89,7 @@ def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scor
 
 
 # Modules whose scorers register themselves when imported: imported on the first load_scorer.
-BUILTIN_MODULES = ("common.fluency", "common.reward_terms")
+BUILTIN_MODULES = ("common.fluency", "common.reward_terms", "common.judges")
 
 DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 

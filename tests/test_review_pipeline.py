@@ -177,8 +177,8 @@ def test_replies_read_back_from_a_review_eval_give_its_ratings_again(chain):
                           inputs={"replies_from": check_input("replies_from", source)})
     premises = one_per_group(load_split(chain["pairs"], "test"))[:4]
     replies, readouts, _ = read_replies(run, premises, review)
-    results = {name: {"n": len(texts)} for name, texts in replies.items()}
-    review.evaluate(premises, replies, results, chain["pairs"], readouts, seed=42)
+    results = review.evaluate(premises, replies, train=load_split(chain["pairs"], "train"), readouts=readouts,
+                              rating=None, seed=42).metrics
     saved = json.loads((source / "eval.json").read_text())
     assert set(replies) == {"base", "sft", "dpo"}
     for name in replies:

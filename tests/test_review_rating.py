@@ -83,12 +83,12 @@ def test_parsed_ratings_are_never_replaced_and_every_paper_gets_one(pairs):
     replies = {"sft": ["### Rating\nOverall Quality: 5\nReview Confidence: 3", "it loops it loops",
                        "Overall Quality: 9", "### Rating\nOverall Quality: 2"]}
     reads = [{"first_window": {"expected": 3.25, "most_likely": 3}} for _ in papers]
-    results = {"sft": {"n": 4}}
-    out = review.evaluate(papers, replies, results, pairs, {"sft": reads}, seed=1)
-    per = out["per_reply"]["sft"]
+    out = review.evaluate(papers, replies, train=load_split(pairs, "train"), readouts={"sft": reads}, rating=None,
+                          seed=1)
+    per = out.per_reply["sft"]
     assert [p["rating"] for p in per] == [5.0, 3.25, 3.25, 2.0]  # 9 is off the scale: read out
     assert [p["rating_source"] for p in per] == ["parsed", "readout", "readout", "parsed"]
-    r = results["sft"]
+    r = out.metrics["sft"]
     assert r["format_compliance"] == 0.5 and r["n_rated"] == 2 and r["all_papers"]["n"] == 4
     assert r["all_papers"]["n_readout"] == 2 and r["all_papers"]["reading"] == "first_window"
     gold = [sum(p["human_ratings"]) / len(p["human_ratings"]) for p in papers]

@@ -14,9 +14,11 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from dataclasses import dataclass
 
 from common.config import ConfigError
 from common.data import SENTENCE_END, DataError, n_words, text_field
+from common.tasks.protocol import EvalReport
 
 NAME = "cmv"
 INSTRUCTION = ("Below is a post from r/ChangeMyView, where the author asks others to change their view. "
@@ -173,14 +175,20 @@ def to_pair(row: dict, where: str, premise_words: int, scrub_giveaways: bool = T
     }
 
 
-# --- the task's hooks for the stages (common/tasks/__init__.py) ----------------------------------
+# --- the task's hooks for the stages (the Task Protocol, common/tasks/protocol.py) ------------------
+
+@dataclass
+class Options:
+    """No options under `task_options`: CMV's stage-01 knobs (premise_words, scrub_giveaways,
+    system_prompt) are PairsConfig fields, where every recipe and earlier run has them."""
+
 
 PAIRWISE = True  # a row is a winner and a loser: stage 01 balances them for length
 READING = "a post's title and first words (premise_words)"
 READOUT_SCALE = None  # a reply has no rating to read out
 
 
-def rows_from(row, where: str, config) -> list[dict] | str:
+def rows_from(row, where: str, config, options: Options) -> list[dict] | str:
     """Stage 01: one source row -> [its pair], or a drop reason. Split by period, a row must say its
     period: any other value (`HeldOut`, null) would put a later post in train or dev unnoticed."""
     pair = to_pair(row, where, config.premise_words, config.scrub_giveaways, getattr(config, "system_prompt", None))
@@ -226,10 +234,10 @@ def references(row: dict) -> list[str]:
     return [row["chosen"]]
 
 
-def evaluate(premises: list[dict], replies: dict, results: dict, pairs_run, readouts=None, seed: int = 42,
-             rating=None) -> dict:
+def evaluate(premises: list[dict], replies: dict[str, list[str]], *, train: list[dict], readouts: dict,
+             rating: dict | None, seed: int) -> EvalReport:
     """Stage 05: CMV's metrics are the shared ones (overlap, and the judge's); nothing to add."""
-    return {"baselines": {}, "per_reply": {}, "sections": [], "plots": lambda out_dir: {}}
+    return EvalReport()
 
 
 FILLER = ["It is important to keep this in mind.", "There are many different aspects to consider here.",

@@ -15,12 +15,14 @@ from __future__ import annotations
 import functools
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from common.config import ConfigError
-from common.data import DataError, load_split, n_words, text_field
+from common.data import DataError, n_words, text_field
+from common.tasks.protocol import EvalReport
 
 NAME = "review"
 TARGETS = ("merged", "per_review")
@@ -298,6 +300,12 @@ def to_examples(row, where: str, review_target: str = "merged"):
 
 # --- the task's hooks for the stages (common/tasks/__init__.py) ----------------------------------
 
+@dataclass
+class Options:
+    """No options under `task_options`: the review task's stage-01 knobs (review_target, pdf) are
+    PairsConfig fields, where every recipe and earlier run has them."""
+
+
 PROBES = ()  # the review judge is a rating model, not a preference judge: no shortcut probes
 PAIRWISE = False  # a row is one target, no loser: stage 01 does not length-balance, 04 generates rejected
 
@@ -309,7 +317,7 @@ def train_judge(config, run) -> dict:
     return rating_model.train(config, run)
 
 
-def rows_from(row, where: str, config) -> list[dict] | str:
+def rows_from(row, where: str, config, options: Options) -> list[dict] | str:
     """Stage 01: one paper row -> its examples (config.review_target), or a drop reason. A paper
     without text takes it from its PDF when `--pdf` names one (`<paper_id>.pdf`)."""
     paper_id = row.get("paper_id") if isinstance(row, dict) else None
@@ -433,10 +441,10 @@ def references(row: dict) -> list[str]:
     return row["references"]
 
 
-def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict, pairs_run,
-             readouts: dict | None = None, seed: int = 42, rating: dict | None = None) -> dict:
+def evaluate(premises: list[dict], replies: dict[str, list[str]], *, train: list[dict], readouts: dict,
+             rating: dict | None, seed: int) -> EvalReport:
     """Stage 05's review metrics, each against the paper's mean human rating, with 95% bootstrap
-    intervals (over papers). Into each model's results:
+    intervals (over papers). For each model:
     - the rating parsed from each generated review (MAE, RMSE, Pearson over the parseable ones), the
       format compliance rate and the ids of the unparsed (listed, never dropped silently);
     - with `readouts` (common/readout.py, per model and paper: `first_window`, and `all_windows` when
@@ -444,22 +452,20 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
       and the read-out one elsewhere (`rating_source` per reply); and `readout_first_window` /
       `readout_all_windows`, the read-out alone on every paper, so the two readings compare on the
       same papers.
-    Beside them: a constant predictor (the train split's mean rating) and one more human reviewer
-    (each reviewer against the mean of the paper's others). And every rating source side by side
-    (common/rating_sources.py: each model's parsed and read-out rating, the rating model's from
-    `rating`, their blend fitted on dev), `rating_sources` in eval.json, a table and a plot each."""
+    Beside them: a constant predictor (the mean rating of `train`, the pairs run's train split) and one
+    more human reviewer (each reviewer against the mean of the paper's others). And every rating source
+    side by side (common/rating_sources.py: each model's parsed and read-out rating, the rating model's
+    from `rating`, their blend fitted on dev), `rating_sources` in eval.json, a table and a plot each."""
     gold = [float(np.mean(r["human_ratings"])) for r in premises]
-    readouts = readouts or {}
-    per_reply, pairs, per_model = {}, {}, {}
+    metrics, per_reply, pairs, per_model = {}, {}, {}, {}
     for name, texts in replies.items():
         written = [parse_review(t) for t in texts]
         parsed = [w["overall"] for w in written]
         ok = [i for i, p in enumerate(parsed) if p is not None]
         rated = rating_metrics([parsed[i] for i in ok], [gold[i] for i in ok], seed)
         rated["n_rated"] = rated.pop("n")  # the model's `n` stays the number of replies
-        results[name].update(
-            format_compliance=len(ok) / len(texts) if texts else None,
-            unparsed=[premises[i]["id"] for i in range(len(texts)) if parsed[i] is None], **rated)
+        metrics[name] = {"format_compliance": len(ok) / len(texts) if texts else None,
+                         "unparsed": [premises[i]["id"] for i in range(len(texts)) if parsed[i] is None], **rated}
         per_reply[name] = [{"rating": p, "rating_source": "parsed" if p is not None else None,
                             "confidence": w["confidence"], "human_rating": g}
                            for p, w, g in zip(parsed, written, gold)]
@@ -469,28 +475,31 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], results: dict,
             read = readouts[name]
             reading = "all_windows" if read and read[0].get("all_windows") else "first_window"
             final = [p if p is not None else r[reading]["expected"] for p, r in zip(parsed, read)]
-            results[name]["all_papers"] = {**rating_metrics(final, gold, seed), "reading": reading,
+            metrics[name]["all_papers"] = {**rating_metrics(final, gold, seed), "reading": reading,
                                            "n_readout": len(texts) - len(ok)}
             for way in ("first_window", "all_windows"):
                 if read and read[0].get(way):
-                    results[name][f"readout_{way}"] = rating_metrics([r[way]["expected"] for r in read], gold, seed)
-            for row, value, r in zip(per_reply[name], final, read):
-                row.update(rating=value, rating_source=row["rating_source"] or "readout", readout=r)
+                    metrics[name][f"readout_{way}"] = rating_metrics([r[way]["expected"] for r in read], gold, seed)
+            per_reply[name] = [{**row, "rating": value, "rating_source": row["rating_source"] or "readout", "readout": r}
+                               for row, value, r in zip(per_reply[name], final, read)]
             pairs[name] = list(zip(final, gold))
-            per_model[name].update(readout=[r[reading]["expected"] for r in read], rating=final)
-    train_mean = float(np.mean([r["rating"] for r in load_split(pairs_run, "train")]))
+            per_model[name] = {**per_model[name], "readout": [r[reading]["expected"] for r in read], "rating": final}
+    train_mean = float(np.mean([r["rating"] for r in train]))
     baselines = {"baseline_constant": {**baseline_constant(train_mean, gold, seed), "train_mean": train_mean},
                  "baseline_human": baseline_human([r["human_ratings"] for r in premises], seed)}
     from common import rating_sources
     sources = rating_sources.rating_sources(premises, per_model, rating, train_mean, seed)
-    for rows in per_reply.values() if rating and "rating_model" in rating else ():
-        for row, value in zip(rows, rating["rating_model"]):
-            row["rating_model"] = value
-    for row, info in zip(per_reply.get("rerank_by_rating", []), (rating or {}).get("reranked", [])):
-        row.update(candidate_ratings=info["candidate_ratings"], kept=info["kept"])
-    return {"baselines": {**baselines, "rating_sources": sources["sources"]}, "per_reply": per_reply,
-            "sections": _rating_rows(replies, results, baselines) + rating_sources.table_rows(sources["sources"]),
-            "plots": lambda out_dir: _plots(out_dir, pairs, sources["points"])}
+    if rating and "rating_model" in rating:
+        per_reply = {name: [{**row, "rating_model": value} for row, value in zip(rows, rating["rating_model"])]
+                     for name, rows in per_reply.items()}
+    reranked = (rating or {}).get("reranked")
+    if reranked and "rerank_by_rating" in per_reply:
+        per_reply["rerank_by_rating"] = [{**row, "candidate_ratings": info["candidate_ratings"], "kept": info["kept"]}
+                                         for row, info in zip(per_reply["rerank_by_rating"], reranked)]
+    return EvalReport(metrics=metrics, baselines={**baselines, "rating_sources": sources["sources"]},
+                      per_reply=per_reply,
+                      sections=_rating_rows(replies, metrics, baselines) + rating_sources.table_rows(sources["sources"]),
+                      plots=lambda out_dir: _plots(out_dir, pairs, sources["points"]))
 
 
 def _plots(out_dir, pairs, points):
@@ -499,7 +508,7 @@ def _plots(out_dir, pairs, points):
     return {**plot_ratings(out_dir, pairs), **plot_sources(out_dir, points)}
 
 
-def _rating_rows(replies, results, baselines) -> list[str]:
+def _rating_rows(replies, metrics, baselines) -> list[str]:
     rows = ["", "## Ratings", "", "Against the mean rating of the paper's reviewers, 95% bootstrap intervals over papers. "
             "*Parsed*: the rating written in the review (`Overall Quality: <n>`), on the reviews where it parses "
             "(format compliance = their share). *All papers*: the parsed rating where there is one, else the "
@@ -507,14 +516,14 @@ def _rating_rows(replies, results, baselines) -> list[str]:
             "(expected value; `rating_source` in replies.jsonl).", "",
             "| predictor | format compliance | parsed: MAE | RMSE | Pearson r | n | all papers: MAE | RMSE "
             "| Pearson r | n (read out) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, r in [*((n, results[n]) for n in replies), *baselines.items()]:
+    for name, r in [*((n, metrics[n]) for n in replies), *baselines.items()]:
         every = r.get("all_papers") or {}
         counted = f"{every['n']} ({every['n_readout']})" if every else ""
         rows.append(f"| {name} | {_f(r.get('format_compliance'))} | {_ci(r, 'rating_mae')} | {_ci(r, 'rating_rmse')} | "
-                    f"{_ci(r, 'rating_pearson')} | {r.get('n_rated', r['n'])} | {_ci(every, 'rating_mae')} | "
+                    f"{_ci(r, 'rating_pearson')} | {r['n_rated'] if 'n_rated' in r else r['n']} | {_ci(every, 'rating_mae')} | "
                     f"{_ci(every, 'rating_rmse')} | {_ci(every, 'rating_pearson')} | "
                     f"{counted} |")
-    reads = [(n, results[n]) for n in replies if "readout_all_windows" in results[n]]
+    reads = [(n, metrics[n]) for n in replies if "readout_all_windows" in metrics[n]]
     if reads:
         rows += ["", "The read-out rating alone on every paper: from the first window (the one the review was "
                  "written from) and averaged over every window of the paper.", "",
