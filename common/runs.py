@@ -9,6 +9,7 @@ the stage's other inputs (so no held-out premise was trained on). docs/architect
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import logging
@@ -22,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from common import provenance, tracking
-from common.config import plain_values, to_dict, validate
+from common.config import plain_values, to_dict
 from common.data import DataError, read_manifest, write_json
 from common.tasks import TASKS
 
@@ -235,10 +236,10 @@ def settle(run, config, changes: dict) -> None:
     changed = {name: value for name, value in changes.items() if getattr(config, name) != value}
     if not changed:
         return
+    dataclasses.replace(config, **changed)  # checked first (a ConfigError naming the field): the config stays whole
     before = {name: getattr(config, name) for name in changed}
     for name, value in changed.items():
         setattr(config, name, value)
-    validate(config)
     log.info("set once the model was loaded: %s",
              ", ".join(f"{name} {value} (was {before[name]})" for name, value in changed.items()))
     if isinstance(run, Run) and run.is_main:

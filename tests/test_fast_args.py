@@ -8,14 +8,27 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import logging
 import typing
 
+import pytest
 import yaml
 from conftest import REPO, run_dir_of, run_in_process
 
 from common import config as config_module
-from common.config import KEPT, PLAIN_PATHS, STAGE_CONFIGS, fast_args, load_run_config, plain_values, type_ok
+from common.config import (
+    KEPT,
+    PLAIN_PATHS,
+    STAGE_CONFIGS,
+    ConfigError,
+    SFTStageConfig,
+    fast_args,
+    load_run_config,
+    plain_values,
+    type_ok,
+)
 from common.fast import memory_plan
+from common.runs import Run, settle
 
 FAST = sorted((REPO / "common" / "fast").glob("*.py"))
 CONFIG_CLASSES = {name for name, value in vars(config_module).items()
@@ -129,3 +142,24 @@ def test_config_yaml_says_the_memory_plan_that_ran(tiny_model, pairs_run, tmp_pa
     assert (ran.offload_activations, ran.offload_keep_gib) == (plan["offload_activations"], plan["offload_keep_gib"])
     assert "layers_not_checkpointed" in manifest["backends"]["patches"]  # applied: the trainer ran the plan
     assert ran.memory_levers == "fit" and ran.max_steps == 1  # the rest as the command line gave it
+
+
+def test_settle_checks_first_and_rewrites_only_what_changed(pairs_run, tmp_path):
+    config = SFTStageConfig(pairs_run=str(pairs_run), runs_dir=str(tmp_path), gradient_checkpointing=False)
+    run = Run("SFT", config, {}, inputs={"pairs_run": pairs_run}, argv=["test"])
+    try:
+        written = (run.dir / "config.yaml").read_text()
+        settle(run, config, {"gradient_checkpointing": False})  # as set already: nothing to write
+        assert (run.dir / "config.yaml").read_text() == written
+        with pytest.raises(ConfigError, match="layers_not_checkpointed"):
+            settle(run, config, {"gradient_checkpointing": True, "layers_not_checkpointed": -1})
+        assert (config.gradient_checkpointing, config.layers_not_checkpointed) == (False, 0)  # left whole
+        settle(run, config, {"gradient_checkpointing": True, "layers_not_checkpointed": 1})
+        assert yaml.safe_load((run.dir / "config.yaml").read_text()) == \
+            {**yaml.safe_load(written), "gradient_checkpointing": True, "layers_not_checkpointed": 1}
+        assert (config.gradient_checkpointing, config.layers_not_checkpointed) == (True, 1)
+        assert not list(run.dir.glob("*.tmp"))
+    finally:
+        logging.getLogger().removeHandler(run._handler)
+        run._handler.close()
+        run._lock.close()

@@ -1,6 +1,6 @@
 """The performance code, behind one seam: everything outside common/fast/ reaches it only through the
 names below: `fit_memory` (once the model is loaded: the levers it returns are set on the config by
-`Run.settle`), `apply` (and DPO's `one_sequence_collator`), `backends`, GRPO's rollouts by the static
+`common.runs.settle`), `apply` (and DPO's `one_sequence_collator`), `backends`, GRPO's rollouts by the static
 decoder, the static decoder of stage 05 and DPO's rejected replies (`decode`, picked in
 `common/generation.py`), and the judge's packed rows (`packs_rows`, `packed_rewards`, in
 `common/rewards.py`). A change to a loss, a reward or a task needs none of it; `fast_paths: false` turns
