@@ -16,11 +16,13 @@ import yaml
 from conftest import REPO, run_dir_of, run_in_process
 
 from common import config as config_module
+from common.cli import help_text
 from common.config import (
     KEPT,
     PLAIN_PATHS,
     STAGE_CONFIGS,
     ConfigError,
+    DPOStageConfig,
     SFTStageConfig,
     fast_args,
     load_run_config,
@@ -105,6 +107,9 @@ def test_plain_paths_are_what_the_declarations_say():
         assert changed == {"fast_paths"} | {n for n in plain if getattr(fast, n) != plain[n]}, stage
         assert all(getattr(slow, n) == value for n, value in plain.items()), stage
     assert PLAIN_PATHS == union and {"pair_in_one_sequence", "memory_levers", "rollout_backend"} <= set(PLAIN_PATHS)
+    shown = help_text(DPOStageConfig, "")  # --help names each plain value, and only those
+    assert "  --pair_in_one_sequence (bool; default true; fast_paths false: false)" in shown
+    assert "  --max_length (int; default 768)" in shown and "  --beta (float; default 0.1)" in shown
 
 
 def test_outside_common_fast_the_pipeline_goes_through_its_face():
