@@ -24,7 +24,7 @@ from common.config import SFTStageConfig
 from common.data import train_and_dev
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.raft import best_of_n_targets
-from common.runs import Run
+from common.runs import Run, settle
 from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
 
@@ -39,7 +39,8 @@ def sft_dataset(rows: list[dict], tokenizer, config: SFTStageConfig, task) -> Da
 
 def build_trainer(config: SFTStageConfig, run, model, tokenizer, train_rows, dev_rows) -> SFTTrainer:
     task = get_task(run.task)
-    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    levers, run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    settle(run, config, levers)  # on the config before the trainer is built, and in config.yaml: what ran
     args = trainer_args(SFTConfig, config, run, max_length=config.max_length,
                         completion_only_loss=True, per_device_eval_batch_size=config.per_device_train_batch_size)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,

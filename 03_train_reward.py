@@ -55,7 +55,7 @@ from common.rewards import (
     preference_dataset,
     set_up_like_reward_trainer,
 )
-from common.runs import Run, RunError
+from common.runs import Run, RunError, settle
 from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
 
@@ -72,7 +72,8 @@ def build_trainer(config: RewardStageConfig, run, scorer, train_rows: list[dict]
     if stopping and not dev_rows:
         raise RunError(f"early_stopping_patience: no {config.audit_split} pairs to stop on")
     callbacks = [EarlyStoppingCallback(config.early_stopping_patience)] if stopping else None
-    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    levers, run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    settle(run, config, levers)  # on the config before the trainer is built, and in config.yaml: what ran
     if config.judge_objective == "pairwise":
         train_set = preference_dataset(train_rows, scorer)
         trainer = RewardTrainer(model=model, args=trainer_args(RewardConfig, config, run, max_length=config.max_length,

@@ -43,7 +43,7 @@ from common.data import DataError, fit_prompt, fit_reply, load_split, read_jsonl
 from common.generation import decoder_backends, generate_replies
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.provenance import sha256_file
-from common.runs import Run, RunError
+from common.runs import Run, RunError, settle
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -105,7 +105,8 @@ def preference_dataset(rows, prompts, rejected, tokenizer, config: DPOStageConfi
 
 
 def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Dataset):
-    run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    levers, run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    settle(run, config, levers)  # on the config before the trainer is built, and in config.yaml: what ran
     if config.loss == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer  # experimental: common/trl_compat.py

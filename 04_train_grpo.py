@@ -27,7 +27,7 @@ from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.runs import Run
+from common.runs import Run, settle
 from common.training import save_adapter, train, trainer_args
 from common.watch import WatchCallback, watch_per_step
 
@@ -42,7 +42,8 @@ def prompt_dataset(pairs_run: str, tokenizer, config: GRPOStageConfig) -> Datase
 
 def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, tokenizer,
                   reward_weights: list[float] | None = None) -> GRPOTrainer:
-    run.manifest["memory_plan"] = fast.fit_memory(config, policy)  # memory_levers fit: what this GPU needs
+    levers, run.manifest["memory_plan"] = fast.fit_memory(config, policy)  # memory_levers fit: what this GPU needs
+    settle(run, config, levers)  # on the config before the trainer is built, and in config.yaml: what ran
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
                         temperature=config.temperature, beta=config.beta, scale_rewards=config.scale_rewards,

@@ -798,8 +798,10 @@ class Bench:
         data = preference_dataset(rows, scorer)  # encoded by the scorer, as stage 03 does
         if ours:
             from common import fast
+            from common.runs import settle
             from common.training import trainer_args
-            run.manifest["memory_plan"] = fast.fit_memory(cfg, self.judge_model)
+            levers, run.manifest["memory_plan"] = fast.fit_memory(cfg, self.judge_model)
+            settle(run, cfg, levers)  # as stage 03's build_trainer does
             args = trainer_args(trl.RewardConfig, cfg, run, max_length=cfg.max_length)
         else:
             args = trl.RewardConfig(output_dir=str(run.dir / "checkpoints"), max_length=cfg.max_length,

@@ -25,6 +25,7 @@ from common.config import (
     ConfigError,
     describe,
     load_yaml,
+    plain_values,
     read_config_text,
     shown,
     type_ok,
@@ -196,6 +197,7 @@ def help_text(cls, doc: str) -> str:
     fields first, then each shared group."""
     lines = [doc.strip(), "", "Options (in the YAML of --config, or as --field value):"]
     hints, fields, done = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}, set()
+    plains = plain_values(cls)  # each fast path's field, with the value fast_paths false sets
     for klass in cls.__mro__:
         names = [n for n in vars(klass).get("__annotations__", {}) if n in fields and n not in done]
         if not names:
@@ -204,7 +206,8 @@ def help_text(cls, doc: str) -> str:
         for name in names:
             f = fields[name]
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            lines.append(f"  --{name} ({describe(hints[name])}; default {yaml.safe_dump(default).splitlines()[0]})")
+            plain = f"; fast_paths false: {yaml.safe_dump(plains[name]).splitlines()[0]}" if name in plains else ""
+            lines.append(f"  --{name} ({describe(hints[name])}; default {yaml.safe_dump(default).splitlines()[0]}{plain})")
             if f.metadata.get("help"):
                 lines.append(f"      {f.metadata['help']}")
             done.add(name)

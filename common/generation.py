@@ -11,8 +11,8 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
+from common import fast
 from common.data import token_ids
-from common.fast.static_decoder import decode, release_dense_base, supports_fast_decode, weights_backend
 from common.model import eos_ids
 from common.ngram_block import ReplyNgramBlock
 
@@ -34,10 +34,10 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
         ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
         new = []
         for start in range(0, len(ids), batch_size):
-            new += decode(model, ids[start:start + batch_size], max_new_tokens, eos_ids(model, tokenizer),
-                          tokenizer.pad_token_id, temperature=temperature, repetition_penalty=repetition_penalty,
-                          no_repeat_ngram_size=no_repeat_ngram_size, weights=weights)
-        release_dense_base(model)
+            new += fast.decode(model, ids[start:start + batch_size], max_new_tokens, eos_ids(model, tokenizer),
+                               tokenizer.pad_token_id, temperature=temperature, repetition_penalty=repetition_penalty,
+                               no_repeat_ngram_size=no_repeat_ngram_size, weights=weights)
+        fast.release_dense_base(model)
         return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
     device = next(model.parameters()).device
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
@@ -60,13 +60,14 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
 def decoder_for(model, static: bool = True) -> str:
     """"static" (`decode`: Llama-family models, unless `static` is false) or "hf_generate"
     (transformers' generate: the other models, and fast_paths false)."""
-    return "static" if static and supports_fast_decode(model) else "hf_generate"
+    return "static" if static and fast.supports_fast_decode(model) else "hf_generate"
 
 
 def decoder_backends(model, static: bool, weights: str) -> dict:
     """For the manifest: the decoder that runs, and how the static one reads the base weights."""
     decoder = decoder_for(model, static)
-    return {"decoder": decoder, **({"decoder_weights": weights_backend(model, weights)} if decoder == "static" else {})}
+    return {"decoder": decoder,
+            **({"decoder_weights": fast.weights_backend(model, weights)} if decoder == "static" else {})}
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ import torch
 
 from common.data import DataError, load_split, one_per_group, read_json, token_ids, write_json, write_jsonl
 from common.model import ENCODER
-from common.runs import RunError
+from common.runs import RunError, settle
 
 log = logging.getLogger("pipeline")
 
@@ -181,6 +181,8 @@ def train(config, run) -> dict:
     args, kind = judge_spec(config)
     tokenizer = load_tokenizer(args)
     model = load_model(args, kind, tokenizer=tokenizer, num_labels=HEADS[config.rating_pooling])
+    levers, run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    settle(run, config, levers)  # before the model is set up for checkpointing, and in config.yaml: what ran
     set_up_like_reward_trainer(model, config.gradient_checkpointing)
 
     def examples(rows):
@@ -192,7 +194,6 @@ def train(config, run) -> dict:
                     metric_for_best_model="eval_loss", greater_is_better=False) if config.early_stopping_patience else {}
     if stopping and not dev_rows:
         raise RunError(f"early_stopping_patience: no rated {config.audit_split} papers to stop on")
-    run.manifest["memory_plan"] = fast.fit_memory(config, model)
     trainer = _trainer_class()(
         model=model, args=trainer_args(TrainingArguments, config, run, remove_unused_columns=False,
                                        prediction_loss_only=True, **stopping),

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from common import fast
 from common.config import ModelArgs, RewardStageConfig, load_run_config
 from common.data import fit_prompt, fit_reply, read_json, token_ids, truncate_tokens
-from common.fast.shared_prompt import packs_rows
 from common.model import ENCODER, SEQ_CLS, fingerprint, load_model, load_tokenizer, unwrap_peft
 from common.runs import RunError
 from common.trl_compat import attn_implementation
@@ -118,7 +118,7 @@ class RewardScorer:
         self.model, self.tokenizer, self.kind = model, tokenizer, kind
         self.name = "judge"  # a Scorer (common/scorers.py); from_run names it after its run
         # False: right-padded batches, as transformers scores them (asked, or a model the packed rows do not fit)
-        self.packed = packed and kind == SEQ_CLS and packs_rows(model)
+        self.packed = packed and kind == SEQ_CLS and fast.packs_rows(model)
         self._unpackable = packed and kind == SEQ_CLS and not self.packed
         self.max_prompt_tokens, self.max_length, self.batch_size = max_prompt_tokens, max_length, batch_size
         self._fitted: dict[str, list[dict]] = {}  # prompt -> prompt cut to max_prompt_tokens (GRPO scores 4 replies each)
@@ -233,7 +233,6 @@ class RewardScorer:
         """The replies to one prompt share it. FlexAttention (a judge trained padding-free on a GPU) runs
         many groups end to end in one row; SDPA (the CPU, a judge loaded to score) runs one group a row,
         rows padded, since its dense mask costs the square of the row's length."""
-        from common.fast.padding_free import packed_rewards
         classifier = unwrap_peft(self.model)
         attention = attn_implementation(classifier)
         one_row = attention == "flex_attention"
@@ -249,7 +248,7 @@ class RewardScorer:
             if batch and (members is None or tokens + size > budget):
                 rows = [[[sequences[i] for i in g] for g in batch]] if one_row else [[[sequences[i] for i in g]]
                                                                                   for g in batch]
-                values = packed_rewards(classifier, rows, attention)[:, 0].float().tolist()
+                values = fast.packed_rewards(classifier, rows, attention)[:, 0].float().tolist()
                 for i, value in zip((i for g in batch for i in g), values):
                     scores[i] = value
                 batch, tokens = [], 0

@@ -1,6 +1,7 @@
 """Run directories: dated, numbered, created atomically, never overwritten, and never lying.
 
-A run directory holds `config.yaml` (written first), `manifest.json`, `run.log`, `metrics.json`,
+A run directory holds `config.yaml` (written first; again by `settle()` with what was decided once the model
+was loaded, so that it says what ran), `manifest.json`, `run.log`, `metrics.json`,
 the artifacts, and `DONE` (written last, with the digest of every artifact in the manifest).
 A stage accepts an input run only when it is finished, of the expected stage, unchanged since it
 finished, built on the same base model (the base lock), and descended from the same pairs run as
@@ -8,6 +9,7 @@ the stage's other inputs (so no held-out premise was trained on). docs/architect
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import logging
@@ -21,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from common import provenance, tracking
-from common.config import PLAIN_PATHS, to_dict
+from common.config import plain_values, to_dict
 from common.data import DataError, read_manifest, write_json
 from common.tasks import TASKS, get_task
 
@@ -139,7 +141,7 @@ class Run:
             self.manifest["pairs_run_sha256"] = self.pairs_digest or self.manifest.get("pairs_run_sha256")
         self._attach_log()
         for key, value in overrides.items():  # fast_paths false replaced a value the command line asked for
-            if not config.fast_paths and key in PLAIN_PATHS and getattr(config, key) != value:
+            if not config.fast_paths and key in plain_values(config) and getattr(config, key) != value:
                 log.warning("--%s %s is not used: --fast_paths false sets it to %s", key, value, getattr(config, key))
         for name, path in (inputs or {}).items():
             self._record_input(name, Path(path))
@@ -224,6 +226,31 @@ class Run:
         self._handler.close()
         self._lock.close()
         print(f"run_dir: {self.dir}", flush=True)  # the one stdout line chaining scripts read
+
+
+def settle(run, config, changes: dict) -> None:
+    """Settings decided once the model is loaded (the levers `memory_levers: fit` chose for this GPU): set on
+    `config`, checked, and, in a run directory, config.yaml written again with them before the trainer is
+    built, so that it says what ran. A resumed run decides again, for the GPU it runs on now. `run` may be
+    a stand-in without a run directory (the bench's)."""
+    changed = {name: value for name, value in changes.items() if getattr(config, name) != value}
+    if not changed:
+        return
+    dataclasses.replace(config, **changed)  # checked first (a ConfigError naming the field): the config stays whole
+    before = {name: getattr(config, name) for name in changed}
+    for name, value in changed.items():
+        setattr(config, name, value)
+    log.info("set once the model was loaded: %s",
+             ", ".join(f"{name} {value} (was {before[name]})" for name, value in changed.items()))
+    if isinstance(run, Run) and run.is_main:
+        if config is not run.config:
+            raise RunError("settle: the config is not the run's, whose config.yaml it would rewrite")
+        path = run.dir / "config.yaml"  # the run's settings as written, these fields changed
+        recorded = yaml.safe_load(path.read_text())
+        recorded.update(changed)
+        path.with_suffix(".yaml.tmp").write_text(yaml.safe_dump(recorded, sort_keys=False))
+        path.with_suffix(".yaml.tmp").replace(path)  # whole, then renamed: a crash never leaves half a file
+        tracking.update_config(config, changed)
 
 
 LOCK = "run.lock"

@@ -27,6 +27,14 @@ def start(run) -> None:
     run.save_manifest()
 
 
+def update_config(config, changed: dict) -> None:
+    """Settings decided after the W&B run started (the memory plan's levers), as config.yaml has them."""
+    if config.report_to == "wandb":
+        import wandb
+        if wandb.run is not None:
+            wandb.config.update(changed, allow_val_change=True)
+
+
 def log_summary(config, metrics: dict) -> None:
     if config.report_to == "wandb":
         import wandb

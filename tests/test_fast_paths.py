@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, run_dir_of, run_stage
 
-from common.config import PLAIN_PATHS, STAGE_CONFIGS, DPOStageConfig, GRPOStageConfig
+from common.config import PLAIN_PATHS, STAGE_CONFIGS, DPOStageConfig, GRPOStageConfig, load_run_config
 from common.fast.decode_step import nf4_dequantizer
 
 NF4_TOLERANCE = 3e-2  # the same maths through other kernels, in bf16 compute on a 4-bit base
@@ -107,6 +107,9 @@ def test_manifests_say_which_memory_levers_ran(runs):
     fit = plan(runs["sft_true"])
     if torch.cuda.is_available():
         assert fit["levers"] == "fit" and fit["plan"] and fit["estimated_peak_gib"]["keep_all"] > 0
+        ran = load_run_config(runs["sft_true"])  # config.yaml says the levers the plan set
+        assert all(getattr(ran, lever) == fit[lever] for lever in ("gradient_checkpointing", "layers_not_checkpointed",
+                                                                   "offload_activations", "offload_keep_gib"))
     else:
         assert fit["levers"] == "as_set" and "CPU" in fit["why"]
     assert all(plan(runs[f"{stage}_false"]) == {"levers": "as_set"} for stage in ("sft", "reward", "dpo", "grpo"))

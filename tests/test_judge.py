@@ -364,18 +364,18 @@ def test_copies_of_one_reply_run_once_and_get_one_score(tiny_model, monkeypatch)
     """GRPO's replies at a low temperature are copies: each distinct input runs once, so its copies tie
     bit for bit on any kernel (in one FlexAttention row each copy would sit elsewhere and round otherwise),
     and a group of copies is seen as tied (04_train_grpo.py's all-tied check)."""
-    import common.fast.padding_free as padding_free
+    from common import fast
     from common.model import SEQ_CLS, load_model, load_tokenizer
     args = ModelArgs(model_name_or_path=str(tiny_model))
     tok = load_tokenizer(args)
     model = load_model(args, SEQ_CLS, tokenizer=tok, trainable=False)
-    run = padding_free.packed_rewards
+    run = fast.packed_rewards  # the judge reaches it through common/fast's face
     seen = []
 
     def counted(classifier, rows, attention):
         seen.append(sum(len(g) for groups in rows for g in groups))
         return run(classifier, rows, attention)
-    monkeypatch.setattr(padding_free, "packed_rewards", counted)
+    monkeypatch.setattr(fast, "packed_rewards", counted)
     tabs = [{"role": "user", "content": "CMV: tabs are better than spaces."}]
     vim = [{"role": "user", "content": "CMV: vim is easier to learn than emacs."}]
     scores = RewardScorer(model, tok, 64, 256).score([tabs] * 4 + [vim] * 2, ["Spaces render the same."] * 4 + ["No."] * 2)

@@ -98,8 +98,8 @@ def test_on_the_cpu_and_as_set_the_levers_stay_as_written(levers):
         pytest.skip("fit plans on a GPU: the bench measures it")
     config = SFTStageConfig(pairs_run="p", memory_levers=levers, gradient_checkpointing=True, offload_activations=True,
                             offload_keep_gib=1.5)
-    decided = memory_plan.fit(config, torch.nn.Linear(2, 2))
-    assert decided["levers"] == "as_set" and ("CPU" in decided.get("why", "")) == (levers == "fit")
+    changes, decided = memory_plan.fit(config, torch.nn.Linear(2, 2))
+    assert changes == {} and decided["levers"] == "as_set" and ("CPU" in decided.get("why", "")) == (levers == "fit")
     assert (config.gradient_checkpointing, config.offload_activations, config.offload_keep_gib) == (True, True, 1.5)
 
 

@@ -22,7 +22,9 @@ larger than the update's activations (a rollout ends before the update). The run
 plan and its estimates, and its metrics the measured peak of every step (`gpu_memory_per_step`), so each
 run checks its own estimate.
 
-On a CPU, or with `memory_levers: as_set`, the levers stay as the config sets them.
+On a CPU, or with `memory_levers: as_set`, the levers stay as the config sets them. The plan is returned,
+never set here: the stage sets its levers on the config (`common.runs.settle`) before the trainer is built,
+and config.yaml is written again with them, so that it says what ran.
 """
 from __future__ import annotations
 
@@ -121,8 +123,13 @@ def estimates(config, model, allocated: int) -> dict:
     return {**peaks, "per_kept_layer": SAFETY * tokens * (KEPT_LAYER * layer - layer_input) / GIB}
 
 
-def budget_gib(config, device) -> float:
-    return config.memory_budget_gib or BUDGET_SHARE * torch.cuda.get_device_properties(device).total_memory / GIB
+def room(config, model) -> tuple[float, int] | None:
+    """(the budget in GiB, the bytes allocated with the model loaded) on the GPU that holds `model`; None on a CPU."""
+    if not torch.cuda.is_available():
+        return None
+    device = next(model.parameters()).device
+    total = torch.cuda.get_device_properties(device).total_memory
+    return config.memory_budget_gib or BUDGET_SHARE * total / GIB, torch.cuda.memory_allocated(device)
 
 
 def choose(peaks: dict, budget: float, layers: int) -> tuple[str, int, float]:
@@ -137,33 +144,31 @@ def choose(peaks: dict, budget: float, layers: int) -> tuple[str, int, float]:
     return ("offload", 0, keep) if keep > 0 else ("offload_all", 0, 0.0)
 
 
-def fit(config, model) -> dict:
-    """Set `config`'s gradient_checkpointing, layers_not_checkpointed, offload_activations and offload_keep_gib
-    to the fastest plan that fits the GPU's budget (with `memory_levers: fit` on a GPU); returns what was
-    decided, for the run's manifest (`memory_plan`)."""
-    if getattr(config, "memory_levers", "as_set") != "fit":
-        return {"levers": "as_set"}
-    if not torch.cuda.is_available():
-        return {"levers": "as_set", "why": "memory_levers fit plans for a GPU; on the CPU the levers stay as written"}
-    device = next(model.parameters()).device
-    budget = budget_gib(config, device)
-    peaks = estimates(config, model, torch.cuda.memory_allocated(device))
+def fit(config, model) -> tuple[dict, dict]:
+    """The fastest plan that fits the GPU's budget (with `memory_levers: fit` on a GPU), as (the levers it sets:
+    gradient_checkpointing, layers_not_checkpointed, offload_activations and offload_keep_gib; the plan, for the
+    run's manifest, `memory_plan`). `config` is left as it is: the stage sets the levers on it
+    (`common.runs.settle`) before its trainer is built, so that config.yaml says what ran."""
+    if config.memory_levers != "fit":
+        return {}, {"levers": "as_set"}
+    found = room(config, model)
+    if found is None:
+        return {}, {"levers": "as_set", "why": "memory_levers fit plans for a GPU; on the CPU the levers stay as written"}
+    budget, allocated = found
+    peaks = estimates(config, model, allocated)
     plan, kept, keep = choose(peaks, budget, unwrap_peft(model).config.num_hidden_layers)
-    config.gradient_checkpointing = plan != "keep_all"
-    config.layers_not_checkpointed = kept if plan == "checkpoint_some" else 0
-    config.offload_activations = plan in ("offload", "offload_all")
-    config.offload_keep_gib = keep
+    levers = {"gradient_checkpointing": plan != "keep_all",
+              "layers_not_checkpointed": kept if plan == "checkpoint_some" else 0,
+              "offload_activations": plan in ("offload", "offload_all"), "offload_keep_gib": keep}
     peaks = {name: round(gib, 2) for name, gib in peaks.items()}
     decided = {"levers": "fit", "plan": plan, "budget_gib": round(budget, 2), "estimated_peak_gib": peaks,
-               "micro_batch_tokens": micro_batch_tokens(config), "gradient_checkpointing": config.gradient_checkpointing,
-               "layers_not_checkpointed": config.layers_not_checkpointed,
-               "offload_activations": config.offload_activations, "offload_keep_gib": keep}
+               "micro_batch_tokens": micro_batch_tokens(config), **levers}
     if plan == "offload_all" and peaks["offload_all"] > budget:
         log.warning("memory plan: even offloading every saved input is estimated at %.1f GiB, over the %.1f GiB "
                     "budget; lower max_tokens_per_batch or max_length, or set mlp_chunk_tokens", peaks["offload_all"],
                     budget)
     log.info("memory plan: %s (gradient_checkpointing %s, %d layers not checkpointed, offload_activations %s, "
              "keep %.2f GiB) for %d-token micro-batches within %.1f GiB; estimated peaks %s", plan,
-             config.gradient_checkpointing, config.layers_not_checkpointed, config.offload_activations, keep,
+             levers["gradient_checkpointing"], levers["layers_not_checkpointed"], levers["offload_activations"], keep,
              decided["micro_batch_tokens"], budget, peaks)
-    return decided
+    return levers, decided

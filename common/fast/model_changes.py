@@ -3,7 +3,7 @@
 Each stage's `build_trainer` calls `apply(trainer, config)` once its TRL trainer exists; it returns
 the names of what it applied, which the run's manifest records (`patches`, and `backends`). DPO's pair
 as one sequence needs its collator when the trainer is built: `one_sequence_collator` makes it first.
-With `fast_paths: false` the config asks for none of them (common/config.py, PLAIN_PATHS), and
+With `fast_paths: false` the config asks for none of them (each field's `plain` value, common/config.py), and
 unmask_right_padding and no_cudnn_attention are left off too (SDPA keeps PyTorch's own choice of
 kernel): plain TRL and transformers. Nothing else in the pipeline changes a model's forward or a
 trainer's data behind the config's back.
@@ -49,7 +49,8 @@ def apply(trainer, config: TrainArgs) -> list[str]:
     """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
     applied, layout = [], token_budget.PADDED
     packs = shared_prompt.packs_rows(trainer.model)  # no: sliding-window layers, plain padded rows
-    asked = [name for name in ("padding_free", "group_in_one_sequence") if getattr(config, name, False)]
+    asked = [name for name, on in (("padding_free", getattr(config, "padding_free", False)),
+                                   ("group_in_one_sequence", getattr(config, "group_in_one_sequence", False))) if on]
     if getattr(config, "loss", None) == "dpo" and getattr(config, "pair_in_one_sequence", False):
         asked.append("pair_in_one_sequence")
     if not packs and asked:

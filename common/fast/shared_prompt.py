@@ -86,8 +86,8 @@ def packs_rows(model) -> bool:
     causally within its sequence. A model with sliding-window layers (Gemma 3, every layer_types entry
     `sliding_attention`) sees only its window there, so it runs the plain padded rows instead, and the
     stages record that (common/fast/model_changes.py `apply`, the judge's `judge_scoring`)."""
-    config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
-    return "sliding_attention" not in (getattr(config, "layer_types", None) or [])
+    model_config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", None)
+    return "sliding_attention" not in (getattr(model_config, "layer_types", None) or [])
 
 
 def _pad(rows, length, value):
