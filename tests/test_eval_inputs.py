@@ -1,7 +1,7 @@
 """Stage 05 on other inputs, through the real command line on the tiny CMV recipe: another file of
 posts in place of the pairs run's test split (--eval_data), and a finished eval run's replies scored
 again by a new judge, nothing generated (--replies_from). The review task's --eval_data is in
-test_review_pipeline.py."""
+stages/test_review_pipeline.py."""
 from __future__ import annotations
 
 import gzip

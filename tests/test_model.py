@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 
 import bitsandbytes as bnb
 import pytest
@@ -154,3 +155,32 @@ def test_the_base_lock_covers_the_tokenizer_and_its_chat_template(tmp_path, tiny
     assert {k for k in after if after[k] != before[k]} == {"tokenizer_sha256"}
     with pytest.raises(RunError, match="field 'tokenizer_sha256'"):
         _lock_base({"sft_run": {"run_name": "S", "base": before}}, after)
+
+
+# --- the base lock reads the weights ------------------------------------------------------------------
+
+def test_the_base_lock_tells_apart_models_of_the_same_shapes(tmp_path, tiny_model):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from common.config import ModelArgs
+    from common.model import fingerprint
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    before = fingerprint(ModelArgs(model_name_or_path=str(model)))
+    def header():  # names, dtypes, shapes and offsets: what the lock used to hash
+        data = weights.read_bytes()
+        return data[8:8 + int.from_bytes(data[:8], "little")]
+    before_header = header()
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3  # another release of the same model: same names and shapes
+    stat = weights.stat()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old modification time
+    assert header() == before_header and weights.stat().st_size == stat.st_size
+    after = fingerprint(ModelArgs(model_name_or_path=str(model)))
+    assert after["weights_sha256"] != before["weights_sha256"]
+    assert fingerprint(ModelArgs(model_name_or_path=str(model))) == after  # read from the cache, the same

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 # fp32 x: tl.dot rounds its inputs to tf32 on the GPU

@@ -444,3 +444,55 @@ def test_a_file_over_the_size_bound_is_one_error_line(tmp_path, monkeypatch, gz,
                           "--runs_dir", tmp_path / "runs", "--skip_bad_rows", "true")
     line = error_line(proc)
     assert f"{path}:" in line and "more than 1048576 bytes" in line and int(line.split(":")[2]) <= limit_line + 1, line
+
+
+# --- rows of no known period and over-long lines ------------------------------------------------------
+
+PAIRS_01 = "configs/tiny/01_build_pairs.yaml"
+
+
+_error = error_line
+
+
+def _cmv_rows(n: int) -> list[dict]:
+    with gzip.open(REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("period", ["HeldOut", None, "later"])
+def test_split_by_period_refuses_a_row_of_no_known_period(tmp_path, period):
+    rows = _cmv_rows(120)
+    for i, row in enumerate(rows):
+        row["source_split"] = "heldout" if i % 4 == 0 else "train"
+    rows[7]["source_split"] = period
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--config", PAIRS_01, "--split_by", "period", "--data", path, "--runs_dir", tmp_path / "runs"]
+    line = _error(run_in_process("01_build_pairs.py", *args))
+    assert line == (f"error: {path}:8: field 'source_split' must be one of 'train', 'heldout', 'unknown' with "
+                    f"split_by period, got {period!r}"), line
+    proc = run_in_process("01_build_pairs.py", *args, "--skip_bad_rows", "true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((run_dir_of(proc) / "metrics.json").read_text())
+    assert metrics["dropped"].get("bad_row") == 1, metrics["dropped"]
+
+
+def _no_done(runs: Path) -> None:
+    assert not list(runs.glob("*/DONE")), list(runs.glob("*/DONE"))
+
+
+def test_a_line_of_more_than_the_limit_is_one_error_line(tmp_path):
+    from common.data import MAX_LINE_BYTES
+    rows = _cmv_rows(3)
+    path = tmp_path / "rows.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8", compresslevel=1) as f:
+        f.write(json.dumps(rows[0]) + "\n")
+        f.write(json.dumps({**rows[1], "op_text": "x" * MAX_LINE_BYTES}) + "\n")
+        f.write(json.dumps(rows[2]) + "\n")
+    assert path.stat().st_size < 2**20
+    runs = tmp_path / "runs"
+    for skip in ("false", "true"):
+        line = _error(run_in_process("01_build_pairs.py", "--config", PAIRS_01, "--data", path, "--runs_dir", runs,
+                                     "--skip_bad_rows", skip))
+        assert line.startswith(f"error: {path}:2: the line is longer than {MAX_LINE_BYTES} bytes"), line
+    _no_done(runs)

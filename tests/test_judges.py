@@ -1,11 +1,14 @@
 """Several judges in stage 05 (common/judges.py): the report's line when a gain holds only under the
-training judge. The stage itself, with two real judges and the overlap check, is in test_pipeline.py."""
+training judge. The stage itself, with two real judges and the overlap check, is in stages/test_pipeline.py."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from common.judges import gain_lines
 from common.report import judges_section
+from common.runs import RunError
 
 JUDGES = {"R1": {"role": "training", "objective": "pairwise", "backbone": "lora_4bit", "model": "m", "train_split": "train"},
           "R2": {"role": "held_out", "objective": "pointwise", "backbone": "encoder", "model": "e", "train_split": "dev",
@@ -67,3 +70,38 @@ def test_a_judge_trained_on_the_scored_posts_in_disguise_is_refused(tmp_path, pa
         describe_judges({"Judge": str(judge)}, None, scored, set(), {"Judge": config})
     other = load_split(pairs_run, "train")[:3]  # posts it never saw: held out
     assert describe_judges({"Judge": str(judge)}, None, other, set(), {"Judge": config})["Judge"]["role"] == "held_out"
+
+
+# --- a judge trained on the scored premises ----------------------------------------------------------
+
+def _judge(tmp_path, name: str, rows: list[dict], split: str = "train"):
+    from common.judges import write_train_posts
+    path = tmp_path / name
+    path.mkdir()
+    write_train_posts(path, split, rows)
+    return str(path), SimpleNamespace(judge_objective="pairwise", judge_backbone="lora_4bit",
+                                      judge_model_name_or_path=None, model_name_or_path="m", train_split=split,
+                                      pairs_run=str(tmp_path / "its_pairs_run"))
+
+
+def _premises(n: int) -> list[dict]:
+    return [{"group_id": f"post{i}", "prompt": [{"role": "user", "content": f"premise {i}"}]} for i in range(n)]
+
+
+def test_a_judge_trained_on_the_scored_posts_under_other_ids_is_refused(tmp_path):
+    from common.judges import describe_judges
+    scored = _premises(4)
+    renamed = [{**p, "group_id": p["group_id"] + "_renamed"} for p in scored]
+    own, own_config = _judge(tmp_path, "Dec01_Reward_Run1", _premises(8)[4:])
+    other, other_config = _judge(tmp_path, "Dec01_Reward_Run2", renamed)
+    with pytest.raises(RunError, match=f"--judge_runs {other}: judge Dec01_Reward_Run2 trained on 4 of the 4 premises"):
+        describe_judges({"Dec01_Reward_Run1": own, "Dec01_Reward_Run2": other}, "Dec01_Reward_Run1", scored,
+                        set(), {"Dec01_Reward_Run1": own_config, "Dec01_Reward_Run2": other_config})
+
+
+def test_the_training_judge_is_refused_when_it_trained_on_the_scored_premises(tmp_path):
+    from common.judges import describe_judges
+    scored = _premises(4)
+    judge, config = _judge(tmp_path, "Dec01_Reward_Run1", scored, split="test")
+    with pytest.raises(RunError, match=f"--reward_run {judge}: judge Dec01_Reward_Run1 trained on 4 of the 4"):
+        describe_judges({"Dec01_Reward_Run1": judge}, "Dec01_Reward_Run1", scored, set(), {"Dec01_Reward_Run1": config})

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 from conftest import random_lora, requires_gpu, requires_two_gpus_on_a_gpu  # noqa: E402

@@ -4,20 +4,26 @@ writes is read back, malformed rows name FILE:LINE and the field, and every pape
 bundled file is accounted for."""
 from __future__ import annotations
 
+import contextlib
 import gzip
+import hashlib
 import itertools
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import REPO, error_line, run_dir_of, run_in_process
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from common.data import DataError, read_jsonl
 from common.pdf import read_pdf_text
 from common.tasks import review
 
-BUNDLED = Path(__file__).resolve().parent.parent / "data" / "review" / "neurips2025_papers_reviews.jsonl.gz"
+BUNDLED = Path(__file__).resolve().parents[2] / "data" / "review" / "neurips2025_papers_reviews.jsonl.gz"
 FORMAT = re.compile(r"### Key Points\n(?:.+\n)+### Strengths and Weaknesses\nStrengths:\n(?:- .+\n)+Weaknesses:\n"
                     r"(?:- .+\n)+### Suggestions for Improvement\n(?:- .+\n)+### Rating\n"
                     r"Overall Quality: (\d+(?:\.\d)?)\nReview Confidence: (\d+(?:\.\d)?|n/a)\Z")
@@ -262,3 +268,266 @@ def test_unusable_papers_and_reviews_are_counted(target):
     assert sum(got["papers"].values()) == 3 and sum(got["reviews"].values()) == 8
     assert got["n_examples"] == (1 if target == "merged" else 2)
     assert review.count_reviews(None) == {"n_reviews": 0, "n_rated": 0}
+
+
+# --- the rating and the read-out ---------------------------------------------------------------------
+
+def test_the_rating_parser_reads_the_rating_not_prose_or_another_scale():
+    rated = "### Rating\nOverall Quality: 4\nReview Confidence: 3\n"
+    assert review.parse_review(rated + "Note: the overall quality 1 of the writing could improve.") == \
+        {"overall": 4.0, "confidence": 3.0}
+    assert review.parse_review("Overall Quality: 5 out of 10\nReview Confidence: 3 out of 5") == \
+        {"overall": None, "confidence": 3.0}
+
+
+@pytest.mark.parametrize("text, overall", [("Overall Quality: 1e1", None), ("Overall Quality: 4x", None),
+                                           ("Overall Quality: 4.5.", 4.5), ("Overall Quality: 4.", 4.0),
+                                           ("Overall Quality: 3\nlater: Overall Quality: n/a", None),
+                                           ("Overall Quality: 5/6", 5.0)])
+def test_a_rating_is_the_whole_number_after_the_label(text, overall):
+    assert review.parse_review(text)["overall"] == overall
+
+
+def test_the_read_out_cuts_a_review_at_its_rating_section_not_at_prose():
+    body = "### Key Points\nThe overall quality of the writing is high.\nRating the novelty is hard.\n"
+    assert review.readout_turn(body + "### Rating\nOverall Quality: 4") == body.rstrip() + "\n" + review.RATING_HEADER
+    assert review.readout_turn(body + "**Overall Quality:** 4") == body.rstrip() + "\n" + review.RATING_HEADER
+    assert review.readout_turn(body) == body.rstrip() + "\n" + review.RATING_HEADER
+    assert review.readout_turn(body + "Rating: 4") == body.rstrip() + "\n" + review.RATING_HEADER
+
+
+# --- review rows through stage 01 -------------------------------------------------------------------
+
+REVIEWS = REPO / "data" / "review" / "neurips2025_papers_reviews.jsonl.gz"
+REVIEW_01 = "configs/tiny/review/01_build_pairs.yaml"
+N_PAPERS = 8  # one dev and one test paper, six to train on
+
+
+def _run(script: str, *args) -> subprocess.CompletedProcess:
+    return run_in_process(script, *args)
+
+
+_error = error_line
+
+
+def _no_done(runs: Path) -> None:
+    """A row is read after the run directory exists: the stopped run is left without DONE."""
+    assert not list(runs.glob("*/DONE")), list(runs.glob("*/DONE"))
+
+
+def _done(proc) -> tuple[Path, dict]:
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    run = run_dir_of(proc)
+    assert (run / "DONE").is_file()
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["n_rows_used"] + sum(metrics["dropped"].values()) == metrics["n_input_rows"], metrics
+    return run, metrics
+
+
+def _papers(n: int = N_PAPERS) -> list[dict]:
+    """The first bundled papers with their text cut short (the tests need rows, not long papers)."""
+    with gzip.open(REVIEWS, "rt", encoding="utf-8") as f:
+        rows = [json.loads(next(f)) for _ in range(n)]
+    for row in rows:
+        row["paper_markdown_main"] = row["paper_markdown_main"][:1500]
+        row.pop("paper_markdown_after_references", None)
+    return rows
+
+
+def _write_rows(path: Path, rows) -> Path:
+    # json.dumps escapes a lone surrogate (valid JSON, not text), as a scraper's output may hold it
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _build_review(tmp_path: Path, rows, *extra, name: str = "papers.jsonl"):
+    path = _write_rows(tmp_path / name, rows)
+    return path, _run("01_build_pairs.py", "--config", REVIEW_01, "--data", path,
+                      "--runs_dir", tmp_path / "runs", *extra)
+
+
+def _splits(run: Path) -> dict[str, list[dict]]:
+    return {s: [json.loads(line) for line in (run / f"{s}.jsonl").read_text().splitlines()]
+            for s in ("train", "dev", "test")}
+
+
+@pytest.mark.parametrize("rating", [99, 0, 1.7e307])
+def test_a_rating_off_the_scale_is_a_bad_row(tmp_path, rating):
+    rows = _papers()
+    rows[2]["reviews"][1]["rating"] = rating
+    path, proc = _build_review(tmp_path, rows)
+    assert _error(proc).startswith(
+        f"error: {path}:3: field 'reviews[1].rating' must be a number from 1 to 6 or null"), proc.stderr
+    _no_done(tmp_path / "runs")
+    run, metrics = _done(_build_review(tmp_path, rows, "--skip_bad_rows", "true", name="again.jsonl")[1])
+    assert metrics["dropped"] == {"bad_row": 1}
+    for row in sum(_splits(run).values(), []):  # every target's rating reads back, on the scale
+        assert review.parse_review(row["chosen"])["overall"] == row["rating"]
+
+
+def test_the_same_paper_under_another_id_is_a_duplicate(tmp_path):
+    rows = _papers()
+    rows.append({**rows[3], "paper_id": rows[3]["paper_id"] + "_copy"})
+    _, proc = _build_review(tmp_path, rows, "--seed", 45, "--dev_fraction", 0.25, "--test_fraction", 0.25)
+    run, metrics = _done(proc)
+    assert metrics["dropped"] == {"duplicate_pair": 1}
+    papers = {split: {r["paper"] for r in found} for split, found in _splits(run).items()}
+    assert not (papers["train"] & papers["dev"] or papers["train"] & papers["test"] or papers["dev"] & papers["test"])
+    # the same paper with other reviews under another id is the same premise too
+    rows[-1]["reviews"] = rows[-1]["reviews"][:1]
+    run, metrics = _done(_build_review(tmp_path, rows, name="other.jsonl")[1])
+    assert metrics["dropped"] == {"duplicate_premise": 1}
+
+
+@pytest.mark.parametrize("rating", [1e308, 10**400])
+def test_a_huge_rating_is_one_error_line_or_a_counted_bad_row(tmp_path, rating):
+    rows = _papers()
+    rows[4]["reviews"][0]["rating"] = rating
+    path, proc = _build_review(tmp_path, rows)
+    assert _error(proc).startswith(f"error: {path}:5: field 'reviews[0].rating'")
+    _no_done(tmp_path / "runs")
+    _, metrics = _done(_build_review(tmp_path, rows, "--skip_bad_rows", "true", name="again.jsonl")[1])
+    assert metrics["dropped"] == {"bad_row": 1}
+
+
+@pytest.mark.parametrize("field", ["title", "paper_markdown_main", "paper_id"])
+def test_a_lone_surrogate_in_a_review_row_is_a_bad_row(tmp_path, field):
+    rows = _papers()
+    rows[1][field] = "before \ud800 after"
+    path, proc = _build_review(tmp_path, rows)
+    assert _error(proc).startswith(f"error: {path}:2: field '{field}' is not valid Unicode")
+    _no_done(tmp_path / "runs")
+    _, metrics = _done(_build_review(tmp_path, rows, "--skip_bad_rows", "true", name="again.jsonl")[1])
+    assert metrics["dropped"] == {"bad_row": 1}
+
+
+def _pdf_file(path: Path, content: bytes = b"") -> Path:
+    """A one-page PDF whose text is 'Hello paper', then `content` in its content stream."""
+    stream = b"BT /F1 12 Tf 10 50 Td (Hello paper) Tj ET " + content
+    objs = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 100] /Contents 4 0 R "
+            b"/Resources << /Font << /F1 5 0 R >> >> >>",
+            b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    out, offsets = b"%PDF-1.4\n", []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1) + b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+    path.write_bytes(out)
+    return path
+
+
+def test_a_pdf_of_deeply_nested_arrays_is_one_error_line(tmp_path):
+    rows = _papers()
+    rows[2]["paper_markdown_main"] = ""
+    pdf = _pdf_file(tmp_path / f"{rows[2]['paper_id']}.pdf", b"[" * 5000 + b"]" * 5000 + b" TJ")
+    _, proc = _build_review(tmp_path, rows, "--pdf", pdf)
+    assert f"{pdf}: unreadable PDF" in _error(proc)
+    _, metrics = _done(_build_review(tmp_path, rows, "--pdf", pdf, "--skip_bad_rows", "true", name="again.jsonl")[1])
+    assert metrics["dropped"] == {"bad_row": 1}
+
+
+def test_pdfs_are_recorded_and_one_that_names_no_paper_is_counted(tmp_path):
+    rows = _papers()
+    rows[2]["paper_markdown_main"] = ""
+    own, stray = _pdf_file(tmp_path / f"{rows[2]['paper_id']}.pdf"), _pdf_file(tmp_path / "no_such_paper.pdf")
+    (tmp_path / "copy").mkdir()
+    twice = _pdf_file(tmp_path / "copy" / own.name)
+    _, proc = _build_review(tmp_path, rows, "--pdf", own, twice)
+    assert _error(proc, tmp_path / "runs") == \
+        f"error: command line: field 'pdf': two files are named {own.stem}.pdf; each paper takes one PDF"
+    run, metrics = _done(_build_review(tmp_path, rows, "--pdf", own, stray, name="again.jsonl")[1])
+    assert metrics["pdf_unused"] == [str(stray)]
+    assert any(r["paper"].endswith("Hello paper") for r in sum(_splits(run).values(), []))
+    inputs = json.loads((run / "manifest.json").read_text())["inputs"]
+    assert inputs["pdf[0]"]["sha256"] == hashlib.sha256(own.read_bytes()).hexdigest()
+
+
+def test_a_window_overlap_of_max_length_is_refused_before_a_run_exists(tmp_path, tiny_model):
+    pairs, _ = _done(_build_review(tmp_path, _papers())[1])
+    line = _error(_run("02_train_sft.py", "--config", "configs/tiny/review/02_train_sft.yaml", "--pairs_run", pairs,
+                       "--window_overlap", 4096, "--runs_dir", tmp_path / "sft"), tmp_path / "sft")
+    assert line == ("error: field 'window_overlap' (4096) must be well below max_length (4096) for the review "
+                    "task's windows: lower window_overlap"), line
+
+
+def test_eval_of_an_empty_split_is_one_error_line(tmp_path, tiny_model):
+    _, proc = _build_review(tmp_path, _papers(2), "--dev_fraction", 0, "--test_fraction", 0.5)
+    pairs, metrics = _done(proc)
+    assert metrics["n_pairs"]["dev"] == 0
+    line = _error(_run("05_eval.py", "--config", "configs/tiny/review/05_eval.yaml", "--pairs_run", pairs,
+                       "--split", "dev", "--runs_dir", tmp_path / "runs"))
+    assert line == f"error: {pairs}: its dev split holds no premises to score", line
+
+
+# --- property-based: hostile review rows -----------------------------------------------------------
+
+_HOSTILE_NUMBER = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6),
+    st.integers(10**18, 10**400), st.sampled_from([0, 7, 1.7e307, 1e308, -1e308, 3.5, 6, 1]))
+_HOSTILE_TEXT = st.one_of(st.text(max_size=20), st.just("a \ud800 b"), st.just("\udfff"),
+                          st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=3))
+_NESTING = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                        max_leaves=6)
+_ROW_FIELDS = ("paper_id", "title", "abstract", "paper_markdown_main", "reviews")
+_REVIEW_FIELDS = ("rating", "confidence", "text")
+_ROW_OPS = st.one_of(
+    st.tuples(st.just("rating"), st.integers(0, 7), st.sampled_from(("rating", "confidence")), _HOSTILE_NUMBER),
+    st.tuples(st.just("text"), st.integers(0, 7), st.sampled_from(("paper_id", "title", "abstract",
+                                                                   "paper_markdown_main")), _HOSTILE_TEXT),
+    st.tuples(st.just("review_text"), st.integers(0, 7), _HOSTILE_TEXT),
+    st.tuples(st.just("nest_row"), st.integers(0, 7), st.sampled_from(_ROW_FIELDS), _NESTING),
+    st.tuples(st.just("nest_review"), st.integers(0, 7), st.sampled_from(_REVIEW_FIELDS), _NESTING),
+    st.tuples(st.just("whole_row"), st.integers(0, 7), _NESTING),
+)
+
+
+def _apply(rows: list, op: tuple) -> None:
+    kind, i = op[0], op[1]
+    row = rows[i]
+    if not isinstance(row, dict):
+        return
+    reviews = row.get("reviews") if isinstance(row.get("reviews"), list) else []
+    first = reviews[0] if reviews and isinstance(reviews[0], dict) else None
+    if kind in ("rating", "nest_review") and first is not None:
+        first[op[2]] = op[3]
+    elif kind == "review_text" and first is not None:
+        first["text"] = op[2]
+    elif kind in ("text", "nest_row"):
+        row[op[2]] = op[3]
+    elif kind == "whole_row":
+        rows[i] = op[2]
+
+
+@pytest.fixture(scope="module")
+def papers():
+    return _papers()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=st.lists(_ROW_OPS, min_size=1, max_size=3), skip=st.booleans())
+def test_hostile_review_rows_end_in_a_documented_outcome(papers, ops, skip):
+    rows = json.loads(json.dumps(papers))
+    for op in ops:
+        _apply(rows, op)
+    with contextlib.ExitStack() as stack:
+        import tempfile
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        path, proc = _build_review(tmp, rows, "--skip_bad_rows", str(skip).lower())
+        if proc.returncode:  # one located line, no DONE anywhere
+            line = _error(proc)
+            event("error: " + line.split(": ", 2)[-1][:40])
+            assert line.startswith(f"error: {path}:") or "split(s)" in line, line
+            _no_done(tmp / "runs")
+            return
+        run, metrics = _done(proc)
+        event(f"done, dropped {sorted(metrics['dropped'])}")
+        assert metrics["n_input_rows"] == len(rows)
+        for row in sum(_splits(run).values(), []):  # a target's rating is on the scale and reads back
+            assert review.parse_review(row["chosen"])["overall"] == row["rating"]
+            assert 1 <= row["rating"] <= 6 and all(1 <= r <= 6 for r in row["human_ratings"])

@@ -93,7 +93,7 @@ def test_eval_has_rating_metrics_and_both_baselines(chain):
 def test_a_paper_without_text_is_read_from_its_pdf(tmp_path, tiny_model):
     import gzip
 
-    from test_review_task import _pdf
+    from tasks.test_review import _pdf
     with gzip.open("data/review/neurips2025_papers_reviews.jsonl.gz", "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for _, line in zip(range(40), f)]
     rows[0]["paper_markdown_main"] = ""  # this paper comes without text; its PDF has it

@@ -171,7 +171,7 @@ def test_the_real_weights_script_runs_every_stage_on_the_cpu(tiny_model, tmp_pat
            "DECODINGS": "--repetition_penalty 1.0 --no_repeat_ngram_size 0 --temperature 0\n"
                         "--repetition_penalty 1.0 --no_repeat_ngram_size 3 --temperature 0",
            "EVAL_FLAGS": "--max_premises 2", "PY": sys.executable,  # scripts/demo_lib.sh's default is .venv's
-           "RATING_CONFIGS": ""}  # no rating model: its blend needs more dev papers (tests/test_review_rating_model.py)
+           "RATING_CONFIGS": ""}  # no rating model: its blend needs more dev papers (tests/test_rating_model.py)
     proc = subprocess.run(["bash", "scripts/review_real_weights.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary" / "review_real_weights.json").read_text())

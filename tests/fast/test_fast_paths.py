@@ -4,6 +4,7 @@ maths is the same (SFT, the reward model, DPO), and the manifests name the backe
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from conftest import REPO, run_dir_of, run_stage
 
+from common.cli import parse_config
 from common.config import PLAIN_PATHS, STAGE_CONFIGS, DPOStageConfig, GRPOStageConfig
 from common.fast.decode_step import nf4_dequantizer
 
@@ -122,3 +124,20 @@ def test_plain_and_fast_paths_both_finish_grpo_and_eval(runs, stage):
     else:
         fast, plain = (json.loads((runs[f"eval_{f}"] / "eval.json").read_text()) for f in ("true", "false"))
         assert fast.keys() == plain.keys()
+
+
+# --- an asked-for value that fast_paths: false replaces ----------------------------------------------
+
+def test_fast_paths_false_says_which_asked_for_value_it_replaced(tmp_path):
+    from common.config import SFTStageConfig
+    from common.runs import Run
+    config, overrides = parse_config(SFTStageConfig, [
+        "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", "p", "--runs_dir", str(tmp_path),
+        "--fast_paths", "false", "--mlp_chunk_tokens", "64", "--liger_kernel", "false"])
+    assert config.mlp_chunk_tokens == 0
+    run = Run("SFT", config, overrides)
+    logging.getLogger().removeHandler(run._handler)
+    run._handler.close()
+    warned = [line for line in (run.dir / "run.log").read_text().splitlines() if "is not used" in line]
+    assert len(warned) == 1 and warned[0].endswith("--mlp_chunk_tokens 64 is not used: --fast_paths false sets "
+                                                   "it to 0"), warned

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # CPU-only jobs on the test node. USR1 would come 60 s before a 10-minute limit: never, here.
 SBATCH_TEST = ["--gpus-per-node=0", "--cpus-per-task=1", "--mem=1G", "--time=10", "--signal=B:USR1@60"]
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -216,3 +216,29 @@ def test_run_name_counts_in_base_ten(tmp_path, taken):
                           text=True, env={**os.environ, "LC_ALL": "C"})
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
     assert proc.stdout.strip() == f"{prefix}{max(int(n) for n in taken) + 1}"
+
+
+# --- the stage wrapper ------------------------------------------------------------------------------
+
+def test_stage_sh_passes_list_fields_of_several_words(tmp_path):
+    fake = tmp_path / "python"  # stands in for the launcher: records the arguments it is given
+    fake.write_text('#!/usr/bin/env bash\ncase $1 in -c) exit 0 ;; -V) echo fake; exit 0 ;; esac\n'
+                    'printf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    fake.chmod(0o755)
+    done = [tmp_path / name for name in ("A", "B")]
+    for run in done:
+        run.mkdir()
+        (run / "DONE").write_text("")
+    env = {**os.environ, "PYTHON": str(fake), "ARGS_OUT": str(tmp_path / "args")}
+    env.pop("SLURM_JOB_ID", None)
+
+    def stage(*args):
+        return subprocess.run(["bash", "slurm/stage.sh", "05_eval.py", "--config", "configs/tiny/05_eval.yaml",
+                               *map(str, args), "--runs_dir", tmp_path / "runs", "--run_name", "E1"],
+                              cwd=REPO, env=env, capture_output=True, text=True)
+    stage("--policy_runs", *done, "--seed", 3)
+    args = (tmp_path / "args").read_text().splitlines()
+    at = args.index("--policy_runs")
+    assert args[at:at + 5] == ["--policy_runs", *map(str, done), "--seed", "3"], args
+    proc = stage("--judge_runs", done[0], tmp_path / "unfinished")
+    assert proc.returncode != 0 and f"input --judge_runs {tmp_path / 'unfinished'} is not a finished run" in proc.stderr
