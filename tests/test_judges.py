@@ -50,6 +50,7 @@ def test_the_report_has_a_table_per_judge_and_the_lines():
     assert text.count("| model | reward (mean) |") == 3 and "but not under the held-out judge R2" in text
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("how", [lambda t: t.replace(" ", "  ", 1), lambda t: t.replace("\n", "\r\n") + " ",
                                  lambda t: t.replace(" ", "\u00a0", 3), lambda t: t.replace("o", "o\u200b", 2)],
                          ids=["doubled_space", "crlf", "nbsp", "zero_width"])

@@ -29,6 +29,7 @@ def sft_config(tiny_model, pairs_run, tmp_path):
     return config
 
 
+@pytest.mark.stage
 def test_loader_gives_nf4_double_quant_and_rslora_on_all_projections(sft_config):
     model = load_model(sft_config, CAUSAL_LM)
     linear4bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -42,6 +43,7 @@ def test_loader_gives_nf4_double_quant_and_rslora_on_all_projections(sft_config)
     assert trainable and all("lora_" in n for n in trainable)
 
 
+@pytest.mark.stage
 def test_fingerprint_tracks_base_and_lora_settings(sft_config):
     import dataclasses
     base = fingerprint(sft_config)
@@ -66,6 +68,7 @@ def _lora_grads(config, eval_forward_first: bool, batch):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.stage
 def test_gradients_survive_a_no_grad_eval_forward(sft_config):
     """The CPU bitsandbytes trap (docs/performance.md): without the loader's workaround, LoRA gradients
     after an eval-mode no-grad forward silently lose the path through the frozen 4-bit weights."""
@@ -79,6 +82,7 @@ def test_gradients_survive_a_no_grad_eval_forward(sft_config):
         assert torch.equal(after_eval[name], plain[name]), name
 
 
+@pytest.mark.stage
 def test_sft_batch_masks_the_prompt_and_trains_the_reply(sft_config, pairs_run):
     tokenizer = load_tokenizer(sft_config)
     model = load_model(sft_config, CAUSAL_LM)
@@ -98,6 +102,7 @@ def test_sft_batch_masks_the_prompt_and_trains_the_reply(sft_config, pairs_run):
         assert n_real > len(prompt_ids)
 
 
+@pytest.mark.stage
 def test_training_moves_lora_and_leaves_the_4bit_base(sft_config, pairs_run):
     tokenizer = load_tokenizer(sft_config)
     model = load_model(sft_config, CAUSAL_LM)
@@ -114,6 +119,7 @@ def test_training_moves_lora_and_leaves_the_4bit_base(sft_config, pairs_run):
         assert torch.equal(before[name], after[name]), f"frozen weight {name} changed"
 
 
+@pytest.mark.stage
 def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
     from conftest import run_dir_of, run_stage
     reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",

@@ -39,6 +39,7 @@ def test_pool_mean_and_attention_by_hand():
     assert pool(logits, index, 2, "attention").tolist() == pytest.approx([0.25 * 1 + 0.75 * 3, -2.0])
 
 
+@pytest.mark.stage
 def test_the_target_is_the_standardised_mean_rating_of_the_train_papers(runs):
     _, pairs, rating = runs
     scale = json.loads((rating / "rating_scale.json").read_text())
@@ -54,6 +55,7 @@ def test_the_target_is_the_standardised_mean_rating_of_the_train_papers(runs):
     assert 0 < metrics["train"]["train_loss"] < 10
 
 
+@pytest.mark.stage
 def test_a_paper_is_its_windows_pooled_and_unstandardised(runs):
     """RatingModel.from_run's rating = mean + sd * the mean of the head's score on each window, each
     window run alone; and it reproduces the dev ratings stage 03 wrote."""
@@ -138,6 +140,7 @@ def test_a_blend_with_fewer_dev_papers_than_weights_is_refused():
 
 # --- stage 05 ------------------------------------------------------------------------------------
 
+@pytest.mark.stage
 def test_stage_05_reports_every_rating_source(runs):
     out, pairs, rating = runs
     common = ["--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--runs_dir", out, "--max_new_tokens", "8"]
@@ -169,6 +172,7 @@ def test_rerank_keeps_the_review_whose_rating_is_nearest_the_rating_models():
     assert rerank_by_rating(["a", "b"], 2, [4.0])[0] == ["a"]  # none writes a rating: the first
 
 
+@pytest.mark.stage
 def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     out, pairs, rating = runs
     sft = run_dir_of(run_stage("02_train_sft.py", "--config", f"{TINY}/02_train_sft.yaml", "--pairs_run", pairs,
@@ -188,6 +192,7 @@ def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     assert all(len(r["rerank_by_rating"]["candidate_ratings"]) == 2 for r in rows)
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("variant", [["--config", f"{TINY}/03_train_rating_minilm.yaml"],
                                      ["--config", f"{TINY}/03_train_rating.yaml", "--rating_pooling", "attention"]],
                          ids=["minilm_encoder", "attention_pooling"])

@@ -55,6 +55,7 @@ def _by_hand(model, tok, prompt, turn) -> float:
     return float((p * torch.arange(1, 7)).sum())
 
 
+@pytest.mark.stage
 def test_read_out_equals_the_expected_value_from_the_logits(nf4_tiny, pairs):
     from common.readout import read_scale
     model, tok = nf4_tiny
@@ -78,6 +79,7 @@ def test_the_read_out_follows_the_review_cut_before_its_rating_section():
     assert review.readout_turn("text. Overall quality: n/a").endswith("text.\n" + review.RATING_HEADER)
 
 
+@pytest.mark.stage
 def test_parsed_ratings_are_never_replaced_and_every_paper_gets_one(pairs):
     papers = load_split(pairs, "test")[:4]
     replies = {"sft": ["### Rating\nOverall Quality: 5\nReview Confidence: 3", "it loops it loops",
@@ -97,6 +99,7 @@ def test_parsed_ratings_are_never_replaced_and_every_paper_gets_one(pairs):
     assert low <= r["all_papers"]["rating_mae"] <= high
 
 
+@pytest.mark.stage
 def test_reading_all_windows_reads_every_window(nf4_tiny, pairs):
     from common.readout import rating_readouts
     model, tok = nf4_tiny
@@ -118,6 +121,7 @@ def test_reading_all_windows_reads_every_window(nf4_tiny, pairs):
     assert every["per_window"][0] == pytest.approx(read["first_window"]["expected"], abs=2e-3)
 
 
+@pytest.mark.stage
 def test_bf16_generation_weights_give_the_same_greedy_tokens(nf4_tiny, pairs):
     """The dequantise-once path (bf16 copies of the 4-bit base) against dequantising every token."""
     from common.generation import generate_replies
@@ -164,6 +168,7 @@ def test_decoding_fields_are_checked():
         EvalConfig(pairs_run="x", reading="all_windows", max_prompt_tokens=256, window_overlap=256)
 
 
+@pytest.mark.stage
 def test_the_real_weights_script_runs_every_stage_on_the_cpu(tiny_model, tmp_path):
     """scripts/review_real_weights.sh with the tiny recipe: the dev sweep, the pick, both DPOs and
     ORPO, the test eval of five models with a rating for every paper, and the summary."""

@@ -214,6 +214,7 @@ def encoder_pipeline(tmp_path_factory):
     return {"pairs": pairs, "reward": reward, "sft": sft, "bert": bert, "runs": runs, "root": root}
 
 
+@pytest.mark.stage
 def test_encoder_judge_run_has_its_audit_and_fingerprints(encoder_pipeline):
     reward = encoder_pipeline["reward"]
     audit = json.loads((reward / "judge_audit.json").read_text())
@@ -236,6 +237,7 @@ def test_encoder_judge_run_has_its_audit_and_fingerprints(encoder_pipeline):
     assert (reward / "adapter" / "model.safetensors").is_file()  # the whole fine-tuned encoder
 
 
+@pytest.mark.stage
 def test_encoder_judge_reloads_exactly_and_refuses_a_changed_backbone(encoder_pipeline, tmp_path):
     reward = encoder_pipeline["reward"]
     dev = load_split(encoder_pipeline["pairs"], "dev")[:8]
@@ -255,6 +257,7 @@ def test_encoder_judge_reloads_exactly_and_refuses_a_changed_backbone(encoder_pi
         RewardScorer.from_run(changed)
 
 
+@pytest.mark.stage
 def test_grpo_watch_and_guard_with_the_encoder_judge(encoder_pipeline):
     p = encoder_pipeline
     proc = _stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", p["sft"],
@@ -278,6 +281,7 @@ def test_grpo_watch_and_guard_with_the_encoder_judge(encoder_pipeline):
     assert manifest["backends"]["decoder"] == "static"
 
 
+@pytest.mark.stage
 def test_eval_with_the_encoder_judge_reports_lc_win_rate_and_plots(encoder_pipeline):
     p = encoder_pipeline
     run = _run_dir(_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", p["pairs"],
@@ -293,6 +297,7 @@ def test_eval_with_the_encoder_judge_reports_lc_win_rate_and_plots(encoder_pipel
     assert "From the reward run's judge_audit.json" in report
 
 
+@pytest.mark.stage
 def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline):
     """The pointwise objective on the encoder backbone: single replies, delta vs no delta, BCE."""
     p = encoder_pipeline
@@ -314,6 +319,7 @@ def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline)
     assert len(set(again)) > 1  # a score per reply, not a constant
 
 
+@pytest.mark.slow
 def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
     """RewardScorer.score packs the replies to one prompt as branches of one row (padding-free, the prompt
     computed once); each score must be the one HF's padded forward gives that input, in its place,

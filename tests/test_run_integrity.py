@@ -71,6 +71,7 @@ def unfinished_sft(tmp_path, tiny_model, pairs_run):
     return tmp_path / "runs" / "killed"
 
 
+@pytest.mark.stage
 def test_resume_alone_takes_the_runs_own_settings_and_refuses_a_different_one(unfinished_sft):
     proc = run_stage("02_train_sft.py", "--resume", unfinished_sft, "--max_steps", "7", check=False)
     line = _no_traceback_one_error(proc)
@@ -84,6 +85,7 @@ def test_resume_alone_takes_the_runs_own_settings_and_refuses_a_different_one(un
     assert yaml.safe_load((unfinished_sft / "config.yaml").read_text())["max_steps"] == 4
 
 
+@pytest.mark.stage
 def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
     deleted = tmp_path / "deleted.jsonl"  # a Pairs run that failed: 0 usable pairs
     deleted.write_text(json.dumps({"op_id": "t3_x", "op_title": "CMV: a view", "positive_reply": "[deleted]",
@@ -99,6 +101,7 @@ def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
     assert sorted(p.name for p in pairs_dir.iterdir()) == before and not (pairs_dir / "DONE").exists()
 
 
+@pytest.mark.stage
 def test_a_failure_after_the_run_directory_exists_is_in_its_log(tmp_path):
     deleted = tmp_path / "deleted.jsonl"  # well-formed rows, every one unusable: a run with 0 pairs
     row = {"op_id": "t3_x", "op_title": "CMV: a view", "op_text": "Some text.", "positive_reply": "[deleted]",
@@ -114,6 +117,7 @@ def test_a_failure_after_the_run_directory_exists_is_in_its_log(tmp_path):
 
 # --- inputs are checked for what they are -------------------------------------------------------------
 
+@pytest.mark.stage
 def test_an_input_of_the_wrong_stage_is_refused_before_a_directory_is_made(tmp_path):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
     pairs_manifest = json.loads((pairs / "manifest.json").read_text())
@@ -126,6 +130,7 @@ def test_an_input_of_the_wrong_stage_is_refused_before_a_directory_is_made(tmp_p
     assert pairs_manifest["stage"] == "Pairs"
 
 
+@pytest.mark.stage
 def test_eval_refuses_a_reward_run_that_is_a_pairs_run_before_generating(tmp_path, pairs_run):
     proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
                      "--reward_run", pairs_run, "--runs_dir", tmp_path / "runs", check=False)
@@ -133,6 +138,7 @@ def test_eval_refuses_a_reward_run_that_is_a_pairs_run_before_generating(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.stage
 def test_inputs_from_different_pairs_runs_are_refused_naming_them(tmp_path):
     p1 = _finished(tmp_path / "P1", "Pairs", artifacts={"test.jsonl": "{}\n"})
     p2 = _finished(tmp_path / "P2", "Pairs", artifacts={"test.jsonl": "{}\n"})
@@ -149,6 +155,7 @@ def test_inputs_from_different_pairs_runs_are_refused_naming_them(tmp_path):
     assert run.manifest["pairs_run"] == str(p1.resolve()) and run.manifest["task"] == "cmv"
 
 
+@pytest.mark.stage
 def test_another_judge_may_come_from_another_pairs_run_but_not_another_task_or_base(tmp_path):
     p1 = _finished(tmp_path / "P1", "Pairs", artifacts={"test.jsonl": "{}\n"})
     p2 = _finished(tmp_path / "P2", "Pairs", artifacts={"test.jsonl": "{}\n"})
@@ -170,6 +177,7 @@ def test_another_judge_may_come_from_another_pairs_run_but_not_another_task_or_b
         Run("Eval", config, {}, inputs={"pairs_run": p1, "judge_runs[0]": p2}, argv=["test"])
 
 
+@pytest.mark.stage
 def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
     sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=None, artifacts={"adapter/a": "x"})
@@ -180,6 +188,7 @@ def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("change", ["delete", "edit"])
 def test_an_input_whose_artifact_changed_after_it_finished_is_refused(tmp_path, change):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
@@ -194,6 +203,7 @@ def test_an_input_whose_artifact_changed_after_it_finished_is_refused(tmp_path, 
         Run("GRPO", config, {}, inputs={"sft_run": sft}, argv=["test"])
 
 
+@pytest.mark.stage
 def test_a_finished_stage_records_its_artifacts_and_a_later_stage_reads_its_config_typed(tmp_path, pairs_run):
     manifest = json.loads((pairs_run / "manifest.json").read_text())
     assert {"train.jsonl", "dev.jsonl", "test.jsonl", "metrics.json", "config.yaml"} <= set(manifest["artifacts"])
@@ -234,6 +244,7 @@ def test_a_bad_setting_is_a_config_error_naming_the_field(cls, argv, message):
         parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *argv])
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("script, argv, message", [
     ("01_build_pairs.py", ["--config", "configs/tiny/01_build_pairs.yaml", "--length_balance", "x"], "length_balance"),
     ("02_train_sft.py", ["--pairs_run", "runs/x"], "--config is required"),
@@ -252,6 +263,7 @@ def test_runs_dir_that_is_a_file_is_a_run_error(tmp_path):
         create_run_dir(tmp_path / "runs", "SFT")
 
 
+@pytest.mark.stage
 def test_every_stage_has_help_listing_its_fields():
     for script, field in (("01_build_pairs.py", "--length_balance"), ("02_train_sft.py", "--max_length"),
                           ("03_train_reward.py", "--judge_backbone"), ("04_train_grpo.py", "--guard_max_length_ratio"),
@@ -292,6 +304,7 @@ def stopped_sft(tmp_path_factory, tiny_model, pairs_run):
     return run
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("damage", [
     lambda p: p.write_bytes(__import__("pickle").dumps(__import__("collections").OrderedDict(a=print))),
     lambda p: p.write_bytes(__import__("pickle").dumps({"os": __import__("os").getcwd})),
@@ -306,6 +319,7 @@ def test_a_damaged_checkpoint_on_resume_is_one_error_line(tmp_path, stopped_sft,
     assert line.startswith(f"error: checkpoint {run / 'checkpoints' / 'checkpoint-2'} is damaged"), line
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("block", ["lock_is_a_folder", "read_only"])
 def test_resume_where_the_lock_cannot_be_opened_is_one_error_line(tmp_path, stopped_sft, block):
     import os
@@ -338,6 +352,7 @@ _error = error_line
 SFT = ["--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", "runs/not_needed"]
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("script, args", [
     ("02_train_sft.py", [*SFT, "--learning_rate", "inf"]),
     ("02_train_sft.py", [*SFT, "--learning_rate", ".nan"]),
@@ -348,12 +363,14 @@ def test_a_non_finite_setting_is_refused_before_a_run_exists(tmp_path, script, a
     assert "must be a finite number" in line, line
 
 
+@pytest.mark.stage
 def test_infinite_epochs_are_refused_before_a_run_exists(tmp_path):
     line = _error(_run("02_train_sft.py", *SFT, "--num_train_epochs", "inf", "--runs_dir", tmp_path / "runs"),
                   tmp_path / "runs")
     assert line.startswith("error: command line: field 'num_train_epochs' must be a finite number"), line
 
 
+@pytest.mark.stage
 def test_an_empty_config_or_a_missing_model_is_one_error_line(tmp_path, tiny_model):
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing set\n")
@@ -371,6 +388,7 @@ def _alias_bomb(levels: int = 9) -> str:
     return "\n".join(lines) + f"\ndata: *a{levels - 1}\n"
 
 
+@pytest.mark.stage
 def test_a_yaml_alias_bomb_is_refused_at_once_in_a_short_line(tmp_path):
     config = tmp_path / "bomb.yaml"
     config.write_text(_alias_bomb())
@@ -380,6 +398,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once_in_a_short_line(tmp_path):
     assert line.startswith(f"error: {config}:2: YAML aliases (*name) are not allowed"), line
 
 
+@pytest.mark.stage
 def test_a_key_given_twice_in_a_config_is_refused(tmp_path):
     config = tmp_path / "twice.yaml"
     config.write_text("task: cmv\nseed: 1\nreport_to: none\nseed: 2\n")
@@ -387,6 +406,7 @@ def test_a_key_given_twice_in_a_config_is_refused(tmp_path):
     assert line == f"error: {config}:4: field 'seed' is given twice", line
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("script, args, field", [
     ("05_eval.py", ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p", "--max_new_tokens", 10**8],
      "max_new_tokens"),
@@ -405,6 +425,7 @@ def test_generated_tokens_beyond_the_models_context_are_refused(tmp_path, tiny_m
 
 # --- input runs -------------------------------------------------------------------------------------
 
+@pytest.mark.stage
 def test_a_corrupt_manifest_in_an_input_or_resumed_run_is_one_error_line(tmp_path, tiny_model, pairs_run):
     broken = tmp_path / "Dec01_Pairs_Run9"
     shutil.copytree(pairs_run, broken)
@@ -417,6 +438,7 @@ def test_a_corrupt_manifest_in_an_input_or_resumed_run_is_one_error_line(tmp_pat
     assert line.startswith(f"error: --resume {broken}: {broken / 'manifest.json'}: not a readable manifest"), line
 
 
+@pytest.mark.stage
 def test_an_input_run_without_an_artifact_list_is_refused(tmp_path, pairs_run):
     from common.runs import check_input
     copy = tmp_path / "Dec01_Pairs_Run9"
@@ -460,6 +482,7 @@ def _pairs(runs: Path, seed: int) -> Path:
     return run_dir_of(proc)
 
 
+@pytest.mark.stage
 def test_a_resumed_run_refuses_an_input_rebuilt_since_it_started(tmp_path):
     import shutil
 
@@ -476,6 +499,7 @@ def test_a_resumed_run_refuses_an_input_rebuilt_since_it_started(tmp_path):
     assert (first.dir / "manifest.json").read_text() == recorded  # the record of the first segment is kept
 
 
+@pytest.mark.stage
 def test_a_resumed_run_refuses_another_base(tmp_path):
     from common.runs import RunError
     pairs = _pairs(tmp_path / "pairs", 1)
@@ -485,6 +509,7 @@ def test_a_resumed_run_refuses_another_base(tmp_path):
         _new_run(tmp_path, "--resume", first.dir, base={"weights_sha256": "b"})
 
 
+@pytest.mark.stage
 def test_one_run_directory_is_run_by_one_process_at_a_time(tmp_path):
     from common.runs import RunError
     pairs = _pairs(tmp_path / "pairs", 1)

@@ -43,6 +43,7 @@ def _make(path):
     return create_run_dir(path, "GRPO").name
 
 
+@pytest.mark.slow
 def test_concurrent_runs_get_distinct_directories(tmp_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         names = pool.map(_make, [tmp_path] * 8)
@@ -231,6 +232,7 @@ _STAGES = {"01_build_pairs": "Pairs", "02_train_sft": "SFT", "03_train_reward": 
            "04_train_dpo": "DPO", "05_eval": "Eval"}
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("n", [65, 10**9, 2**62])
 def test_best_of_n_is_bounded_before_anything_is_allocated(tmp_path, n):
     from conftest import error_line, run_in_process
@@ -322,6 +324,7 @@ def test_a_field_given_twice_on_the_command_line_is_refused(argv):
         parse_config(PairsConfig, ["--config", PAIRS_01, *argv])
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("field, value", [("run_name", "Run1\nrun_dir: /etc"), ("run_name", "a\tb"),
                                           ("runs_dir", "runs\nrun_dir: /etc")])
 def test_control_characters_in_a_run_name_are_refused(tmp_path, field, value):
@@ -344,6 +347,7 @@ def _no_done(runs: Path) -> None:
     assert not list(runs.glob("*/DONE")), list(runs.glob("*/DONE"))
 
 
+@pytest.mark.stage
 def test_a_config_over_the_size_limit_is_refused_before_a_run_exists(tmp_path):
     from common.config import MAX_CONFIG_BYTES
     config = tmp_path / "big.yaml"
@@ -353,6 +357,7 @@ def test_a_config_over_the_size_limit_is_refused_before_a_run_exists(tmp_path):
     assert line == f"error: {config}: {config.stat().st_size} bytes; a config is at most 1024 KiB", line
 
 
+@pytest.mark.stage
 def test_a_full_disk_is_one_error_line_and_no_done(tmp_path):
     import errno
     from unittest import mock
@@ -368,6 +373,7 @@ def test_a_full_disk_is_one_error_line_and_no_done(tmp_path):
     _no_done(runs)
 
 
+@pytest.mark.stage
 def test_a_config_with_a_field_under_its_old_and_new_name_is_refused(tmp_path):
     from common.config import load_run_config
     run = tmp_path / "Dec01_DPO_Run1"

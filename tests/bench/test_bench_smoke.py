@@ -201,6 +201,7 @@ def test_grouped_batches_carry_little_padding():
     assert real_share(True) > 0.95 > 0.85 > real_share(False)
 
 
+@pytest.mark.slow
 def test_one_sft_measurement_through_the_pipeline(tiny_model, tmp_path):
     """bench's SFT row on the tiny model: the stage's build_trainer and train(), tokens counted and timed.
     GPU-only and not run here: peak memory (None on the CPU) and Liger."""
@@ -224,6 +225,7 @@ def test_one_sft_measurement_through_the_pipeline(tiny_model, tmp_path):
     assert "sft_real_ours" in bench.table(b.results)
 
 
+@pytest.mark.slow
 def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     """`bench.py --tiny --sections review_sft,review_dpo,review_gen` (lengths / 8): TRL's defaults and the
     pipeline's recipes side by side for SFT at both review lengths and for DPO, and the decoder at each
@@ -301,6 +303,7 @@ def test_review_sections_run_on_the_tiny_model(tiny_model, tmp_path):
     assert "review_dpo_896_ours" in text and "review_gen_b4" in text and "x faster" in text
 
 
+@pytest.mark.slow
 @requires_two_gpus_on_a_gpu
 def test_ddp_bench_grpo_runs_in_two_processes(tiny_model, tmp_path):
     """bench/ddp_train.py's GRPO section, as `bench/ddp_train.sh` launches it on two GPUs, on two CPU

@@ -28,6 +28,7 @@ def _backends(run) -> dict:
     return json.loads((run / "manifest.json").read_text())["backends"]
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("script", ["01_build_pairs.py", "02_train_sft.py", "03_train_reward.py", "04_train_grpo.py",
                                     "04_train_dpo.py", "05_eval.py"])
 def test_every_stage_lists_fast_paths_in_its_help(script):
@@ -73,6 +74,7 @@ def runs(tiny_model, pairs_run, tmp_path_factory) -> dict:
     return made
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
 def test_plain_and_fast_paths_give_the_same_loss(runs, stage):
     fast, plain = _losses(runs[f"{stage}_true"]), _losses(runs[f"{stage}_false"])
@@ -81,6 +83,7 @@ def test_plain_and_fast_paths_give_the_same_loss(runs, stage):
     assert _backends(runs[f"{stage}_false"])["fast_paths"] is False
 
 
+@pytest.mark.stage
 def test_manifests_name_the_backends(runs):
     assert "padding_free" in _backends(runs["reward_true"])["patches"]
     assert _backends(runs["reward_false"])["patches"] == [] and _backends(runs["reward_false"])["judge_scoring"] == "padded"
@@ -101,6 +104,7 @@ def test_manifests_name_the_backends(runs):
     assert all((runs[f"{stage}_{fast}"] / "DONE").is_file() for stage in ("grpo", "eval") for fast in ("true", "false"))
 
 
+@pytest.mark.stage
 def test_manifests_say_which_memory_levers_ran(runs):
     """memory_levers fit plans on a GPU and says so; on the CPU the levers stay as written, with the reason; plain
     paths never plan (fast_paths false sets memory_levers as_set)."""
@@ -114,6 +118,7 @@ def test_manifests_say_which_memory_levers_ran(runs):
     assert all(plan(runs[f"{stage}_false"]) == {"levers": "as_set"} for stage in ("sft", "reward", "dpo", "grpo"))
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("stage", ["grpo", "eval"])
 def test_plain_and_fast_paths_both_finish_grpo_and_eval(runs, stage):
     """Sampling differs by path (the static decoder draws its own noise), so GRPO's losses and eval's replies

@@ -121,6 +121,7 @@ def test_the_update_computes_each_prompt_once(trainer):
     assert seen[0][1] == prompt_tokens // 2 - 3 + int(mask[:, -12:].sum()) + 6
 
 
+@pytest.mark.slow
 def test_the_trainer_cuts_its_generation_batch_into_whole_premises(trainer):
     """Through TRL's own _prepare_inputs (rollout, judge, shuffle, split): every micro-batch holds whole
     premises, each premise's replies side by side."""

@@ -205,11 +205,13 @@ def test_dequantize_gives_bitsandbytes_values(nf4):
     _dequantize_check(nf4, torch.float32)  # the interpreter rounds bf16 otherwise than the GPU: see the _gpu test
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="GPU only")
 def test_dequantize_gives_bitsandbytes_bf16_values_gpu(nf4):
     _dequantize_check(nf4, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_importable_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.path.insert(0, '.');"
             "import common.fast.nf4_dequantize as m; assert not m.available()")
@@ -217,7 +219,8 @@ def test_importable_without_triton():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (and Triton compiling, not interpreting)")
 @pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 14336)])
 def test_llama_shapes_bf16_gpu(nf4, n, k):
     packed, absmax, qs = quantized(n, k, device="cuda")
@@ -227,7 +230,8 @@ def test_llama_shapes_bf16_gpu(nf4, n, k):
     assert rel_err(y, reference(x, packed, qs)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (and Triton compiling, not interpreting)")
 @pytest.mark.parametrize("n,k", [(1024, 4096), (14336, 4096)])
 def test_cuda_graph_with_slice_and_residual_gpu(nf4, n, k):
     """Captured after one eager call (split-K for 1024 rows, none for 14336), replayed on new inputs."""

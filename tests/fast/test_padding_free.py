@@ -66,6 +66,7 @@ def test_packed_forward_gives_the_padded_rewards(share_prompt):
         assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, padded, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget,share", [(BUDGET["reward"], True), (120, True), (120, False)])
 def test_padding_free_step_equals_one_padded_batch(tmp_path, budget, share):
     plain = build("reward", tmp_path / "plain")

@@ -85,7 +85,7 @@ def test_batch_folded_rope_equals_the_batched_one_values_and_gradients():
     assert not torch.allclose(wrong, results[0][0])  # each row keeps its own positions
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: Liger's Triton RoPE")
+@pytest.mark.gpu  # Liger's Triton RoPE
 def test_gpu_batch_folded_liger_rope_equals_hf_rope():
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -128,8 +128,7 @@ def _sines(x: torch.Tensor, layers: int) -> torch.Tensor:
     return x.sum()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="GPU-only: the copies on a side stream"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # on a GPU: the copies on a side stream
 def test_offload_copies_each_tensor_back_before_backward_needs_it(device):
     """Taking one offloaded tensor back starts the copy of the one saved before it: every tensor but the
     first taken back has arrived when backward asks, and the gradients are a plain backward's, bit for bit
@@ -170,8 +169,7 @@ def test_offloaded_copies_are_freed_by_backward_not_by_the_garbage_collector():
         gc.enable()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="GPU-only: the flash and cuDNN kernels' records"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # on a GPU: the flash and cuDNN kernels' records
 def test_kept_attention_outputs_give_the_checkpointed_gradients_without_running_attention_again(tiny_model, device):
     """keep_attention_outputs: each layer's recomputation gets its attention kernel's outputs from the forward's
     record (one replay a layer, no attention kernel run in backward) and the gradients are those of plain

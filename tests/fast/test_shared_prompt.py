@@ -141,6 +141,7 @@ def test_reference_log_probs_equal_trls(trainer):
     assert _relative_error(rejected, trl_rejected) < trainer.tolerance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["fp32"], indirect=True)
 def test_flex_attention_block_mask_gives_the_same_log_probs(trainer):
     """The BlockMask the GPU recipes use (attn_implementation flex_attention) against the sdpa mask."""

@@ -169,6 +169,7 @@ def test_micro_batches_pad_to_what_the_budget_counts(kind, over, key, tmp_path):
 
 # --- the same loss and gradients as one plain batch ----------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sft", "reward", "dpo"])
 def test_token_budget_step_equals_one_plain_batch(kind, tmp_path):
     trainer = build(kind, tmp_path)  # per_device_train_batch_size = every example: one plain batch
@@ -186,6 +187,7 @@ def test_token_budget_step_equals_one_plain_batch(kind, tmp_path):
         assert _relative_error(grads[name], plain_grads[name]) < 1e-5, name
 
 
+@pytest.mark.slow
 def test_without_equal_pair_weights_the_reward_step_differs(tmp_path):
     """What weigh_pairs_per_step is for: TRL's per-micro-batch means, divided by the number of
     micro-batches, weigh a pair in a small micro-batch more than one plain batch does."""
@@ -209,6 +211,7 @@ def test_the_budget_is_refused_where_it_does_not_apply():
     assert SFTStageConfig(pairs_run="x", max_tokens_per_batch=6144).max_tokens_per_batch == 6144
 
 
+@pytest.mark.slow
 def test_a_resumed_run_sees_the_batches_and_losses_of_an_uninterrupted_one(tmp_path):
     """Through the stages' train(): 14 steps over more than two epochs, checkpoint at step 8 (inside the
     second epoch); a fresh trainer resumed from it gets the uninterrupted run's micro-batches 9 to 14

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 
@@ -24,6 +25,7 @@ CANDIDATES = ("features", "minilm_pairwise", "minilm_pairwise_premise256", "mini
               "minilm_pointwise", "minilm_pairwise_reply_only", "smollm2_decoder", "smollm2_decoder_lr3e-4")
 
 
+@pytest.mark.stage
 def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path):
     """The script's chain with stand-ins for the stages: the two best judges on dev_later reach the ensemble
     whole, and the best is printed whole."""
@@ -48,6 +50,7 @@ esac
     assert proc.stdout.strip().splitlines()[-1] == f"best: smollm2_decoder_lr3e-4 {runs / 'Judge_smollm2_decoder_lr3e-4'}"
 
 
+@pytest.mark.slow
 def test_judge_ensemble_of_an_unfinished_run_is_one_error_line(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/judge_ensemble.py", str(tmp_path / "a b"), str(tmp_path / "c")],
                           cwd=REPO, capture_output=True, text=True)

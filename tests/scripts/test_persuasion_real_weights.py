@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO, tiny_bert
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 
 def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_model, tmp_path):
     bert = tiny_bert(tmp_path)

@@ -75,6 +75,7 @@ def submit_pipeline(runs: Path, *extra: str, recipe: str = "configs/tiny") -> li
     return jobs[0].split()[1:]
 
 
+@pytest.mark.stage
 @needs_slurm
 def test_pipeline_chain_finishes_every_run(tmp_path, tiny_model):
     runs = tmp_path / "runs"
@@ -99,6 +100,7 @@ def test_pipeline_chain_finishes_every_run(tmp_path, tiny_model):
     assert (dirs["Eval"] / "report.md").is_file()
 
 
+@pytest.mark.stage
 @needs_slurm
 def test_review_chain_with_dpo_finishes_every_run(tmp_path, tiny_model):
     runs = tmp_path / "runs"
@@ -112,6 +114,7 @@ def test_review_chain_with_dpo_finishes_every_run(tmp_path, tiny_model):
     assert {"base", "sft", "dpo", "baseline_constant", "baseline_human"} <= set(results)
 
 
+@pytest.mark.stage
 @needs_slurm
 def test_failed_stage_cancels_the_jobs_after_it(tmp_path, tiny_model):
     runs = tmp_path / "runs"
@@ -128,6 +131,7 @@ def test_failed_stage_cancels_the_jobs_after_it(tmp_path, tiny_model):
     assert jobs[3] in log  # it says which jobs are cancelled
 
 
+@pytest.mark.stage
 @needs_slurm
 def test_signal_checkpoints_requeues_and_resumes(tmp_path, tiny_model, pairs_run):
     runs = tmp_path / "runs"
@@ -180,6 +184,7 @@ def stage_sh(*args: str) -> subprocess.CompletedProcess:
                            *args], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.stage
 def test_wrapper_checks_before_launching(tmp_path, pairs_run):
     proc = stage_sh("--runs_dir", str(tmp_path), "--pairs_run", str(pairs_run))
     assert proc.returncode == 2 and "give --run_name" in proc.stderr
@@ -196,6 +201,7 @@ def test_wrapper_checks_before_launching(tmp_path, pairs_run):
     assert proc.returncode == 0 and "already DONE; nothing to do" in proc.stdout
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("name", ["../../../x/y", "../escape", "a/b", "/abs/path", ".."])
 def test_wrapper_refuses_a_run_name_that_leaves_the_runs_dir_before_touching_the_disk(tmp_path, pairs_run, name):
     runs = tmp_path / "deep" / "er" / "runs"

@@ -175,6 +175,7 @@ def _with_bad_rows(names) -> list[bytes]:
     return lines
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("name", list(BAD_ROWS))
 def test_a_bad_row_stops_the_stage_naming_file_and_line(tmp_path, name):
     lineno, _, message = BAD_ROWS[name]
@@ -184,6 +185,7 @@ def test_a_bad_row_stops_the_stage_naming_file_and_line(tmp_path, name):
     assert outcome.error.startswith(f"error: {path}:{lineno}: {message}"), outcome.error
 
 
+@pytest.mark.stage
 def test_bad_rows_are_skipped_and_counted_with_skip_bad_rows(tmp_path):
     path = _write(tmp_path / "bad.jsonl.gz", _with_bad_rows(BAD_ROWS), compress=True)
     outcome = assert_one_of_two_outcomes(_build(tmp_path / "runs", path, skip=True), tmp_path / "runs", [path])
@@ -194,6 +196,7 @@ def test_bad_rows_are_skipped_and_counted_with_skip_bad_rows(tmp_path):
 
 # --- well-formed but unusable rows: always dropped and counted, by reason --------------------------------
 
+@pytest.mark.stage
 def test_unusable_rows_and_duplicates_are_dropped_by_reason(tmp_path):
     rows = _rows()
     for row in rows:  # rows without pair_id: the id must come from the content, not the line number
@@ -263,6 +266,7 @@ def _write_bytes(path, data):
     return path
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("make", [_cut_in_half, _corrupt_middle, _trailing_garbage, _header_only])
 @pytest.mark.parametrize("skip", [False, True])
 def test_a_damaged_gzip_always_stops_the_stage(tmp_path, make, skip):
@@ -275,6 +279,7 @@ def test_a_damaged_gzip_always_stops_the_stage(tmp_path, make, skip):
         assert STREAM_ERROR in outcome.error and "--skip_bad_rows" in outcome.error, outcome.error
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("name, compress", [("gzip_named.jsonl", True), ("plain_named.jsonl.gz", False)])
 def test_files_are_read_by_their_content_not_their_name(tmp_path, name, compress):
     path = _write(tmp_path / name, _real_lines(), compress=compress)
@@ -282,6 +287,7 @@ def test_files_are_read_by_their_content_not_their_name(tmp_path, name, compress
     assert outcome.kind == "done" and outcome.metrics["n_input_rows"] == N_ROWS
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("content", [b"", b"\n\n   \n\t\n"], ids=["empty", "blank_lines"])
 def test_a_file_without_rows_stops_the_stage(tmp_path, content):
     path = _write_bytes(tmp_path / "empty.jsonl", content)
@@ -292,6 +298,7 @@ def test_a_file_without_rows_stops_the_stage(tmp_path, content):
     assert json.loads((run / "metrics.json").read_text())["n_input_rows"] == 0
 
 
+@pytest.mark.stage
 def test_an_empty_file_among_good_ones_is_named(tmp_path):
     good = _write(tmp_path / "good.jsonl.gz", _real_lines(), compress=True)
     empty = _write_bytes(tmp_path / "empty.jsonl", b"")
@@ -377,6 +384,7 @@ def _corrupt(lines: list[bytes], op: tuple) -> None:
         lines[i] = _line(row)
 
 
+@pytest.mark.stage
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(_OPS, min_size=1, max_size=4),
@@ -425,6 +433,7 @@ def test_random_corruptions_of_real_lines_end_in_one_of_two_outcomes(ops, strip_
         assert STREAM_ERROR in lenient.error or "no rows" in lenient.error, lenient.error
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("gz, rows, line_kb", [(True, 20, 60), (False, 50, 30), (True, 400, 3)])
 def test_a_file_over_the_size_bound_is_one_error_line(tmp_path, monkeypatch, gz, rows, line_kb):
     """A gzip bomb of rows, each under the line bound, stops at the file bound (here 1 MB)."""
@@ -459,6 +468,7 @@ def _cmv_rows(n: int) -> list[dict]:
         return [json.loads(next(f)) for _ in range(n)]
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("period", ["HeldOut", None, "later"])
 def test_split_by_period_refuses_a_row_of_no_known_period(tmp_path, period):
     rows = _cmv_rows(120)
@@ -481,6 +491,7 @@ def _no_done(runs: Path) -> None:
     assert not list(runs.glob("*/DONE")), list(runs.glob("*/DONE"))
 
 
+@pytest.mark.stage
 def test_a_line_of_more_than_the_limit_is_one_error_line(tmp_path):
     from common.data import MAX_LINE_BYTES
     rows = _cmv_rows(3)

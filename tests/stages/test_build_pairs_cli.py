@@ -7,6 +7,8 @@ import json
 import pytest
 from conftest import REPO, run_dir_of, run_stage
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 BUNDLED = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
 
 

@@ -15,6 +15,8 @@ from common.config import ConfigError, RewardStageConfig, load_run_config
 from common.data import cross_fit, fit_prompt, fold_of, load_split, one_per_group
 from common.runs import RunError
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 TINY = ".cache/models/tiny-llama3"
 
 

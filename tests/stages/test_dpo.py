@@ -50,6 +50,7 @@ def cmv(tiny_model, pairs_run, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("loss", ["dpo", "orpo"])
 def test_cmv_preference_run_is_done_and_moves_the_sft_adapter(cmv, loss):
     run = cmv[loss]
@@ -68,6 +69,7 @@ def test_cmv_preference_run_is_done_and_moves_the_sft_adapter(cmv, loss):
     assert _moved(cmv["sft"] / "adapter", run / "adapter")
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("loss", ["dpo", "orpo"])
 def test_cmv_metrics_keep_trls_preference_metrics(cmv, loss):
     metrics = _json(cmv[loss] / "metrics.json")
@@ -102,6 +104,7 @@ def review(tiny_model, tmp_path_factory) -> dict:
     return out
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("model", ["base", "sft"])
 def test_review_rejected_reviews_are_saved_with_the_model_that_wrote_them(review, model):
     run = review[f"dpo_{model}"]
@@ -120,6 +123,7 @@ def test_review_rejected_reviews_are_saved_with_the_model_that_wrote_them(review
     assert _moved(review["sft"] / "adapter", run / "adapter")
 
 
+@pytest.mark.stage
 def test_review_rejected_reviews_come_from_the_named_model(review):
     """Regenerate the rejected reviews here, with the base (adapter off) and with the SFT adapter, exactly
     as the stage does (same prompts, same batches): each run's texts equal those of the model it names,

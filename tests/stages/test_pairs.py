@@ -88,6 +88,7 @@ def _check_issue_bounds(run, metrics, rows):
     assert sum(metrics["n_pairs"].values()) + sum(metrics["dropped"].values()) == metrics["n_input_rows"] == len(rows)
 
 
+@pytest.mark.stage
 def test_bundled_data_balanced_and_mostly_kept(tmp_path):
     with gzip.open(BUNDLED, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
@@ -97,6 +98,7 @@ def test_bundled_data_balanced_and_mostly_kept(tmp_path):
     assert metrics["kept_vs_balanced_max"] >= 0.7
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("share_longer", [0.75, 0.3])
 def test_synthetic_set_where_length_decides_everything(tmp_path, share_longer):
     rows = _length_decides(600, share_longer)
@@ -105,6 +107,7 @@ def test_synthetic_set_where_length_decides_everything(tmp_path, share_longer):
     _check_issue_bounds(run, metrics, rows)
 
 
+@pytest.mark.stage
 def test_no_balancing_keeps_the_shortcut_and_the_band_is_counted(tmp_path):
     rows = _length_decides(300, 0.8, seed=1)
     data = _write(tmp_path / "lengthy.jsonl", rows)
@@ -166,6 +169,7 @@ def test_clean_text_is_left_alone():
     assert cmv.scrub(text) == (text, [])
 
 
+@pytest.mark.stage
 def test_giveaways_are_scrubbed_counted_and_rows_accounted(tmp_path):
     rng = random.Random(3)
     rows = [_row(rng, i, i, 80, 80) for i in range(40)]
@@ -193,6 +197,7 @@ def test_giveaways_are_scrubbed_counted_and_rows_accounted(tmp_path):
     assert by_id["syn-0"]["scrubbed"] == ["winner_edit_note"]
 
 
+@pytest.mark.stage
 def test_balancing_sees_the_scrubbed_lengths(tmp_path):
     """Winners made longer only by an edit note: once the note is gone, the lengths the balancing
     measured must be the ones written (a length judge still gets 0.5 on the files)."""
@@ -222,6 +227,7 @@ def _build_in_process(tmp_path, *data, monkeypatch=None):
     return run, json.loads((run / "metrics.json").read_text())
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("how", [lambda t: t.replace(" ", "  ", 1), lambda t: t.replace(". ", ".\r\n"),
                                  lambda t: t.replace(" ", "\u00a0"), lambda t: t.replace("e", "e\u200b"),
                                  lambda t: t.upper(), lambda t: t.replace(". ", ".\n \n")],
@@ -238,6 +244,7 @@ def test_a_copied_post_in_disguise_lands_in_no_second_split(tmp_path, how):
     assert metrics["n_rows_used"] + sum(metrics["dropped"].values()) == 70
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("n, shared", [(40, 40), (40, 7)])
 def test_rows_whose_ids_clash_with_other_content_are_kept_renamed(tmp_path, n, shared):
     rng = random.Random(2)
@@ -252,6 +259,7 @@ def test_rows_whose_ids_clash_with_other_content_are_kept_renamed(tmp_path, n, s
     assert len(ids) == len(set(ids)) == 2 * n and sum(i.endswith("~2") for i in ids) == shared
 
 
+@pytest.mark.stage
 def test_the_recorded_digest_is_of_the_bytes_read(tmp_path, monkeypatch):
     """The file changes after the run started, before its rows are read: the manifest names what was read."""
     import hashlib

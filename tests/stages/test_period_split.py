@@ -13,6 +13,8 @@ from conftest import REPO, run_dir_of, run_stage, tiny_bert
 
 from common.data import length_only_accuracy, load_split
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 BUNDLED = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
 
 

@@ -8,6 +8,8 @@ import pytest
 import yaml
 from conftest import requires_two_gpus_on_a_gpu, run_dir_of, run_stage
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model, pairs_run, tmp_path_factory) -> dict[str, Path]:

@@ -77,6 +77,7 @@ def from_base(tiny_model, pairs_run, tmp_path_factory):
             "eval": evalrun}
 
 
+@pytest.mark.stage
 def test_grpo_and_dpo_start_from_the_base_without_an_sft_run(from_base):
     for key, inputs in (("grpo", {"pairs_run", "reward_run"}), ("dpo", {"pairs_run"})):
         run = from_base[key]
@@ -86,6 +87,7 @@ def test_grpo_and_dpo_start_from_the_base_without_an_sft_run(from_base):
         assert manifest["pairs_run"] == str(from_base["pairs"].resolve())
 
 
+@pytest.mark.stage
 def test_grpo_without_sft_or_pairs_run_is_refused(tmp_path, from_base):
     proc = run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--reward_run",
                      from_base["reward"], "--runs_dir", tmp_path / "runs", check=False)
@@ -93,6 +95,7 @@ def test_grpo_without_sft_or_pairs_run_is_refused(tmp_path, from_base):
     assert proc.returncode != 0 and lines[-1].startswith("error: ") and "--pairs_run" in lines[-1], proc.stderr
 
 
+@pytest.mark.stage
 def test_eval_takes_policies_from_the_base_and_best_of_n(from_base):
     results = json.loads((from_base["eval"] / "eval.json").read_text())
     judges = results.pop("judges")
@@ -104,6 +107,7 @@ def test_eval_takes_policies_from_the_base_and_best_of_n(from_base):
         assert "win_rate_vs_sft" in results[name]["by_judge"][from_base["held_out"].name]
 
 
+@pytest.mark.stage
 def test_best_of_n_keeps_the_training_judges_favourite(from_base):
     from common.config import load_run_config
     from common.data import fit_prompt, load_split, one_per_group
@@ -126,6 +130,7 @@ def test_best_of_n_keeps_the_training_judges_favourite(from_base):
         assert best["reward"] == pytest.approx(max(by_hand), abs=0.01)
 
 
+@pytest.mark.stage
 def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
     manifest = json.loads((from_base["eval"] / "manifest.json").read_text())
     assert manifest["decoding"]["temperature"] == 0.7 and manifest["decoding"]["no_repeat_ngram_size"] == 3

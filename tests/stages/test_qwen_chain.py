@@ -10,6 +10,8 @@ import pytest
 import yaml
 from conftest import run_dir_of, run_in_process, tiny_arch
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 
 def _stage(script, *args):
     proc = run_in_process(script, *args)
@@ -17,7 +19,6 @@ def _stage(script, *args):
     return run_dir_of(proc)
 
 
-@pytest.mark.stage
 def test_the_cmv_chain_runs_on_a_qwen2_model(tmp_path):
     qwen = str(tiny_arch(tmp_path, "qwen2"))
     runs = ["--runs_dir", tmp_path / "runs"]

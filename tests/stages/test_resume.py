@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_dir_of, run_in_process, run_stage
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 STOP_EXIT_CODE = 75  # common.training.STOP_EXIT_CODE (not imported: that would load torch here)
 # Enough steps (epochs x batches of the data) that a stop lands well before the end.
 SFT = ["--config", "configs/tiny/02_train_sft.yaml", "--max_steps", "-1", "--num_train_epochs", "5",

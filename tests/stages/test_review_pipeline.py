@@ -12,6 +12,8 @@ from conftest import run_dir_of, run_stage
 from common.data import load_split
 from common.tasks import review
 
+pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
+
 TINY = "configs/tiny/review"
 
 

@@ -351,6 +351,7 @@ def _splits(run: Path) -> dict[str, list[dict]]:
             for s in ("train", "dev", "test")}
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("rating", [99, 0, 1.7e307])
 def test_a_rating_off_the_scale_is_a_bad_row(tmp_path, rating):
     rows = _papers()
@@ -365,6 +366,7 @@ def test_a_rating_off_the_scale_is_a_bad_row(tmp_path, rating):
         assert review.parse_review(row["chosen"])["overall"] == row["rating"]
 
 
+@pytest.mark.stage
 def test_the_same_paper_under_another_id_is_a_duplicate(tmp_path):
     rows = _papers()
     rows.append({**rows[3], "paper_id": rows[3]["paper_id"] + "_copy"})
@@ -379,6 +381,7 @@ def test_the_same_paper_under_another_id_is_a_duplicate(tmp_path):
     assert metrics["dropped"] == {"duplicate_premise": 1}
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("rating", [1e308, 10**400])
 def test_a_huge_rating_is_one_error_line_or_a_counted_bad_row(tmp_path, rating):
     rows = _papers()
@@ -390,6 +393,7 @@ def test_a_huge_rating_is_one_error_line_or_a_counted_bad_row(tmp_path, rating):
     assert metrics["dropped"] == {"bad_row": 1}
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("field", ["title", "paper_markdown_main", "paper_id"])
 def test_a_lone_surrogate_in_a_review_row_is_a_bad_row(tmp_path, field):
     rows = _papers()
@@ -420,6 +424,7 @@ def _pdf_file(path: Path, content: bytes = b"") -> Path:
     return path
 
 
+@pytest.mark.stage
 def test_a_pdf_of_deeply_nested_arrays_is_one_error_line(tmp_path):
     rows = _papers()
     rows[2]["paper_markdown_main"] = ""
@@ -430,6 +435,7 @@ def test_a_pdf_of_deeply_nested_arrays_is_one_error_line(tmp_path):
     assert metrics["dropped"] == {"bad_row": 1}
 
 
+@pytest.mark.stage
 def test_pdfs_are_recorded_and_one_that_names_no_paper_is_counted(tmp_path):
     rows = _papers()
     rows[2]["paper_markdown_main"] = ""
@@ -446,6 +452,7 @@ def test_pdfs_are_recorded_and_one_that_names_no_paper_is_counted(tmp_path):
     assert inputs["pdf[0]"]["sha256"] == hashlib.sha256(own.read_bytes()).hexdigest()
 
 
+@pytest.mark.stage
 def test_a_window_overlap_of_max_length_is_refused_before_a_run_exists(tmp_path, tiny_model):
     pairs, _ = _done(_build_review(tmp_path, _papers())[1])
     line = _error(_run("02_train_sft.py", "--config", "configs/tiny/review/02_train_sft.yaml", "--pairs_run", pairs,
@@ -454,6 +461,7 @@ def test_a_window_overlap_of_max_length_is_refused_before_a_run_exists(tmp_path,
                     "task's windows: lower window_overlap"), line
 
 
+@pytest.mark.stage
 def test_eval_of_an_empty_split_is_one_error_line(tmp_path, tiny_model):
     _, proc = _build_review(tmp_path, _papers(2), "--dev_fraction", 0, "--test_fraction", 0.5)
     pairs, metrics = _done(proc)
@@ -508,6 +516,7 @@ def papers():
     return _papers()
 
 
+@pytest.mark.stage
 @settings(max_examples=25, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(_ROW_OPS, min_size=1, max_size=3), skip=st.booleans())
