@@ -1,11 +1,11 @@
-# The two README commands: `make demo` and `make test`. Both start with `make venv`.
+# The README commands: `make demo`, `make test` and `make test-fast`. Each starts with `make venv`.
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 TINY := .cache/models/tiny-llama3
 SMOL := .cache/models/smollm2-135m-instruct
 DEMO_RUNS ?= runs
 
-.PHONY: venv test lint demo demo-review clean-cache
+.PHONY: venv test test-fast lint demo demo-review clean-cache
 
 # Idempotent: a stamp file records that requirements.txt was installed; it is redone when that changes.
 venv: .venv/.installed
@@ -29,8 +29,13 @@ $(TINY): | venv
 $(SMOL): | venv
 	$(PY) -m common.local_models smol --out $(SMOL)
 
+# Every test (markers: tests/README.md).
 test: venv $(TINY)
 	$(PY) -m pytest -q tests
+
+# The fast loop, under 3 minutes on two CPU cores: no stage or chain script, no GPU-only and no slow test.
+test-fast: venv $(TINY)
+	$(PY) -m pytest -q -m "not stage and not gpu and not slow" tests
 
 # ruff with TRL's rule set (ruff.toml): pyflakes, pycodestyle, import order.
 lint: venv

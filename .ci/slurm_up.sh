@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node Slurm for the tests (tests/test_slurm.py): munged, slurmctld and slurmd on this
+# A real single-node Slurm for the tests (tests/slurm/test_slurm.py): munged, slurmctld and slurmd on this
 # machine, without systemd or cgroups (docs/performance.md, "A real Slurm on one machine"). Needs root.
 #   .ci/slurm_up.sh        install if missing, write a minimal slurm.conf, start the daemons
 #   .ci/slurm_up.sh down   stop the daemons this script started (by their pid files)

@@ -8,7 +8,7 @@ For the decode step (x is M x K with M the batch of sequences, 1 to 128) the wei
 dequantise + cuBLAS writes each weight out in bf16 and reads it back, three passes over 2-byte weights;
 `nf4_linear` reads each 4-bit weight once, so at its best it runs at HBM bandwidth on the packed bytes.
 
-Layout (bitsandbytes `Linear4bit`, checked against its `dequantize_4bit` in tests/test_nf4_matmul.py):
+Layout (bitsandbytes `Linear4bit`, checked against its `dequantize_4bit` in tests/fast/test_nf4_dequantize.py):
 - `packed` (uint8, N*K/2 bytes): the row-major (N, K) weight flattened, two codes a byte, the element of
   even index in the high nibble, the odd one in the low nibble.
 - `absmax` (fp32): one scale per `blocksize` consecutive elements of the flattened weight, so with K a

@@ -30,16 +30,38 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; `-m gpu` runs only these)")
-    config.addinivalue_line("markers", "stage: runs stage scripts end to end (`-m stage` runs only these)")
-    config.addinivalue_line("markers", "slow: loads a real model from its parts in .cache/parts (skipped without "
-                                       "them; `-m slow` runs only these)")
+# The markers are declared in pytest.ini (--strict-markers); tests/README.md says which test gets which.
+# A test marked `gpu` runs only on a GPU: without one it is skipped here, so the mark alone is enough.
+requires_gpu = pytest.mark.gpu
 
 
-def requires_gpu(test):
-    """A test that runs only on a GPU: marked `gpu`, skipped on the CPU."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(no_gpu)
+
+
+# The test now running, so that run_stage and run_in_process can check it is marked `stage`: the fast loop
+# (`make test-fast`, -m "not stage ...") then never runs a stage script unseen, directly or through a fixture.
+_running: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _running
+    _running = item
+
+
+def pytest_runtest_teardown(item):
+    global _running
+    _running = None
+
+
+def _check_marked_stage(script: str) -> None:
+    if _running is not None and _running.get_closest_marker("stage") is None:
+        pytest.fail(f"{_running.nodeid} runs {script}: mark it @pytest.mark.stage (tests/README.md)", pytrace=False)
 
 
 # Two processes on one machine: two GPUs where there is a GPU (NCCL, a GPU each); on the CPU, gloo.
@@ -73,6 +95,7 @@ def exact_fp32() -> None:
 
 def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
     """Run a stage script through its real command line; return the finished process."""
+    _check_marked_stage(script)
     proc = subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
                           capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -83,6 +106,7 @@ def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedPro
 def run_in_process(script: str, *args) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` without a new interpreter (fast enough for property tests): the script runs as
     __main__, so through its own `cli(...)`; exit status, stdout and stderr as the interpreter gives them."""
+    _check_marked_stage(script)
     argv = [str(REPO / script), *map(str, args)]
     out, err, code = io.StringIO(), io.StringIO(), 0
     root = logging.getLogger()

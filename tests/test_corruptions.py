@@ -78,6 +78,7 @@ def test_the_config_knows_every_kind():
 
 # --- pairs and the audit on the tiny pairs run -----------------------------------------------------
 
+@pytest.mark.stage
 def test_corruption_pairs_are_real_over_corrupted_and_counted(pairs_run):
     rows = load_split(pairs_run, "train")[:20]
     pairs, counts = corruption_pairs(rows, KINDS, seed=3, share=0.5)
@@ -101,6 +102,7 @@ def salad_lover(prompts, replies):
     return [distinct_n([r], 2) for r in replies]
 
 
+@pytest.mark.stage
 def test_a_judge_that_prefers_salad_fails_the_audit(pairs_run):
     test = load_split(pairs_run, "test")[:24]
     result = corruption_audit(FunctionScorer(salad_lover), {"test": test}, seed=0)
@@ -113,6 +115,7 @@ def test_a_judge_that_prefers_salad_fails_the_audit(pairs_run):
     assert result["min_over_kinds"] == min(v["share"] for v in result["kinds"].values())
 
 
+@pytest.mark.stage
 def test_a_judge_that_knows_the_real_replies_passes_the_audit(pairs_run):
     test = load_split(pairs_run, "test")[:24]
     real = {(json.dumps(r["prompt"]), r[k]) for r in test for k in ("chosen", "rejected")}
@@ -142,6 +145,7 @@ def judges(pairs_run, tmp_path_factory):
     return {"plain": plain, "hardened": hardened, "bert": bert, "runs": runs, "common": [*common, "--max_steps", 2]}
 
 
+@pytest.mark.stage
 def test_corruptions_are_trained_on_counted_and_audited(judges):
     metrics = json.loads((judges["hardened"] / "metrics.json").read_text())
     assert metrics["corruption_pairs"] == dict.fromkeys(KINDS, 16)  # 0.5 x 32 train pairs each
@@ -153,6 +157,7 @@ def test_corruptions_are_trained_on_counted_and_audited(judges):
     assert "corruption_pairs" not in json.loads((judges["plain"] / "metrics.json").read_text())
 
 
+@pytest.mark.stage
 def test_a_judge_trained_on_corruptions_prefers_real_replies_more_often(judges):
     """20 steps of a random 2-layer BERT learn the easy kinds (a cut reply, the premise copied back), not
     yet word order: the audit must see the difference, not the 0.98 target."""
@@ -162,6 +167,7 @@ def test_a_judge_trained_on_corruptions_prefers_real_replies_more_often(judges):
     assert min(hardened.values()) > min(plain.values()) and hardened["cut"] > plain["cut"] + 0.5
 
 
+@pytest.mark.stage
 def test_hard_negatives_from_training_posts_join_and_from_held_out_posts_are_refused(judges, pairs_run):
     runs = judges["runs"]
     on_train = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
@@ -191,6 +197,7 @@ def test_hard_negatives_from_training_posts_join_and_from_held_out_posts_are_ref
     assert "names no model" in line
 
 
+@pytest.mark.stage
 def test_pointwise_takes_a_corruption_as_one_no_delta_example_made_of_what_the_judge_reads(pairs_run, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

@@ -1,7 +1,7 @@
 """Stage 05 on other inputs, through the real command line on the tiny CMV recipe: another file of
 posts in place of the pairs run's test split (--eval_data), and a finished eval run's replies scored
 again by a new judge, nothing generated (--replies_from). The review task's --eval_data is in
-test_review_pipeline.py."""
+stages/test_review_pipeline.py."""
 from __future__ import annotations
 
 import gzip
@@ -51,6 +51,7 @@ def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.stage
 def test_eval_data_scores_another_file_of_posts(cmv):
     other, rows = cmv["other"], cmv["other_rows"]
     run = run_dir_of(run_stage("05_eval.py", "--config", EVAL, "--pairs_run", cmv["pairs"], "--reward_run",
@@ -66,6 +67,7 @@ def test_eval_data_scores_another_file_of_posts(cmv):
     assert "--eval_data" in (run / "report.md").read_text()
 
 
+@pytest.mark.stage
 def test_replies_from_scores_the_same_replies_under_a_new_judge(cmv):
     run = run_dir_of(run_stage("05_eval.py", "--config", EVAL, "--replies_from", cmv["eval"], "--reward_run",
                                cmv["reward"], "--judge_runs", cmv["new_judge"], "--runs_dir", cmv["runs"]))
@@ -87,6 +89,7 @@ def test_replies_from_scores_the_same_replies_under_a_new_judge(cmv):
     assert "Nothing was generated" in (run / "report.md").read_text()
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("temperature", ["0", "0.7"])
 def test_replies_from_keeps_the_source_decoding_and_best_of_n_provenance(cmv, temperature):
     """Replies read back say they were read back, with the source's decoding and its best-of-n (how many,
@@ -103,6 +106,7 @@ def test_replies_from_keeps_the_source_decoding_and_best_of_n_provenance(cmv, te
     assert f"best_of_n: 2 replies of sft sampled at temperature {theirs['temperature']:g}" in report
 
 
+@pytest.mark.stage
 def test_replies_from_refuses_a_changed_replies_file_and_changed_decoding(cmv, tmp_path):
     changed = tmp_path / cmv["eval"].name
     shutil.copytree(cmv["eval"], changed)
@@ -118,6 +122,7 @@ def test_replies_from_refuses_a_changed_replies_file_and_changed_decoding(cmv, t
         assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-1000:]
 
 
+@pytest.mark.stage
 def test_a_judge_trained_on_a_scored_premise_is_refused_on_other_files_and_on_replies_read_back(cmv, tmp_path):
     judge = cmv["test_judge"]
     for inputs in (["--pairs_run", cmv["pairs"], "--sft_run", cmv["sft"], "--eval_data", cmv["other"]],
@@ -130,6 +135,7 @@ def test_a_judge_trained_on_a_scored_premise_is_refused_on_other_files_and_on_re
             "premises it would score" in line, line
 
 
+@pytest.mark.stage
 def test_replies_read_back_get_fluency_figures_and_a_verdict(cmv, tiny_model):
     """The fluency check on replies read back (common/verdict.py): each model's mean log-probability and
     perplexity under a frozen LM, the ratio to SFT's, and the verdict that needs both checks."""
@@ -182,6 +188,7 @@ def _disguise(text: str, how: str) -> str:
             "sentence_added": text + " And one more sentence at the end."}[how]
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("how", ["doubled_space", "crlf", "nbsp", "zero_width", "upper", "blank_lines",
                                  "one_word_changed", "sentence_added"])
 @pytest.mark.parametrize("split", ["train", "dev"])
@@ -209,6 +216,7 @@ def test_normalised_text_ignores_what_a_reader_does_not_see():
     assert normalise_text("a b") != normalise_text("a c")
 
 
+@pytest.mark.stage
 def test_unseen_posts_pass_the_overlap_check_and_the_file_digest_is_of_what_was_read(pairs_run, tmp_path):
     from common.data import read_jsonl
     test_posts = list(dict.fromkeys(r["group_id"] for r in load_split(pairs_run, "test")))[:3]
@@ -254,6 +262,7 @@ def period_pairs(tmp_path_factory):
     return run_dir_of(proc)
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("drop", [(), ("source_split",), ("source_split", "pair_id")])
 def test_new_posts_without_a_period_are_scored_against_a_period_pairs_run(period_pairs, tmp_path, drop):
     test_posts = list(dict.fromkeys(r["group_id"] for r in load_split(period_pairs, "test")))[:2]
@@ -264,6 +273,7 @@ def test_new_posts_without_a_period_are_scored_against_a_period_pairs_run(period
     assert {p["group_id"] for p in premises} == set(test_posts) and accounting["files"][0]["n_rows_used"] == len(rows)
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("keep_id", [True, False])
 def test_dev_later_posts_are_not_held_out_through_eval_data(period_pairs, tmp_path, keep_id):
     from common.data import DataError
@@ -313,6 +323,7 @@ def test_a_policy_compared_with_an_sft_it_never_started_from_is_flagged(tmp_path
     assert len(lines) == flagged and all("started from SFT run A, not from --sft_run B" in line for line in lines)
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("trained_with", ["J", "R", None])
 def test_a_judge_a_policy_trained_against_is_never_held_out(tmp_path, pairs_run, trained_with):
     from common.cli import parse_config

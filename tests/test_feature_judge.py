@@ -104,6 +104,7 @@ def _ensemble(judges, *members, combine_="min"):
                      "--pairs_run", judges["pairs"], "--runs_dir", judges["runs"], check=False)
 
 
+@pytest.mark.stage
 def test_feature_judge_trains_through_stage_03_and_reloads(judges):
     run = judges["a"]
     assert (run / "feature_judge.json").is_file() and not (run / "adapter").exists()
@@ -120,6 +121,7 @@ def test_feature_judge_trains_through_stage_03_and_reloads(judges):
     assert again == pytest.approx([s["chosen_score"] for s in saved]) and len(set(again)) > 1
 
 
+@pytest.mark.stage
 def test_ensemble_of_judge_runs_is_built_audited_and_reloaded(judges, tmp_path):
     run = run_dir_of(_ensemble(judges, judges["a"], judges["b"], combine_="mean_minus_std"))
     saved = json.loads((run / "ensemble.json").read_text())
@@ -140,6 +142,7 @@ def test_ensemble_of_judge_runs_is_built_audited_and_reloaded(judges, tmp_path):
     assert [r["chosen_score"] for r in rows] == pytest.approx(scorer.score(prompts, replies))
 
 
+@pytest.mark.stage
 def test_ensemble_refuses_a_judge_of_another_pairs_run(judges):
     before = sorted(judges["runs"].iterdir())
     line = error_line(_ensemble(judges, judges["a"], judges["other"]))
@@ -147,6 +150,7 @@ def test_ensemble_refuses_a_judge_of_another_pairs_run(judges):
     assert sorted(judges["runs"].iterdir()) == before  # refused before any run directory was made
 
 
+@pytest.mark.stage
 def test_eval_takes_an_ensemble_and_refuses_a_changed_member(judges):
     run = run_dir_of(_ensemble(judges, judges["a"], judges["b"]))
     eval_run = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run",

@@ -2,6 +2,8 @@
 import math
 import random
 
+import pytest
+
 from common.fluency import FluencyScorer, perplexity
 from common.scorers import Scorer, load_scorer
 
@@ -24,6 +26,7 @@ def test_salad_and_loops_score_below_the_reply(smol_model):
     assert math.isnan(short)  # nothing to predict
 
 
+@pytest.mark.slow
 def test_scores_do_not_depend_on_the_batch(smol_model):
     replies = [REPLY, salad(REPLY, 1), REPLY[:80], "Yes."]
     together = FluencyScorer(smol_model, batch_size=4).score([[]] * 4, replies)

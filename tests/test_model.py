@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 
 import bitsandbytes as bnb
 import pytest
@@ -28,6 +29,7 @@ def sft_config(tiny_model, pairs_run, tmp_path):
     return config
 
 
+@pytest.mark.stage
 def test_loader_gives_nf4_double_quant_and_rslora_on_all_projections(sft_config):
     model = load_model(sft_config, CAUSAL_LM)
     linear4bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -41,6 +43,7 @@ def test_loader_gives_nf4_double_quant_and_rslora_on_all_projections(sft_config)
     assert trainable and all("lora_" in n for n in trainable)
 
 
+@pytest.mark.stage
 def test_fingerprint_tracks_base_and_lora_settings(sft_config):
     import dataclasses
     base = fingerprint(sft_config)
@@ -65,6 +68,7 @@ def _lora_grads(config, eval_forward_first: bool, batch):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.stage
 def test_gradients_survive_a_no_grad_eval_forward(sft_config):
     """The CPU bitsandbytes trap (docs/performance.md): without the loader's workaround, LoRA gradients
     after an eval-mode no-grad forward silently lose the path through the frozen 4-bit weights."""
@@ -78,6 +82,7 @@ def test_gradients_survive_a_no_grad_eval_forward(sft_config):
         assert torch.equal(after_eval[name], plain[name]), name
 
 
+@pytest.mark.stage
 def test_sft_batch_masks_the_prompt_and_trains_the_reply(sft_config, pairs_run):
     tokenizer = load_tokenizer(sft_config)
     model = load_model(sft_config, CAUSAL_LM)
@@ -97,6 +102,7 @@ def test_sft_batch_masks_the_prompt_and_trains_the_reply(sft_config, pairs_run):
         assert n_real > len(prompt_ids)
 
 
+@pytest.mark.stage
 def test_training_moves_lora_and_leaves_the_4bit_base(sft_config, pairs_run):
     tokenizer = load_tokenizer(sft_config)
     model = load_model(sft_config, CAUSAL_LM)
@@ -113,6 +119,7 @@ def test_training_moves_lora_and_leaves_the_4bit_base(sft_config, pairs_run):
         assert torch.equal(before[name], after[name]), f"frozen weight {name} changed"
 
 
+@pytest.mark.stage
 def test_reward_head_survives_save_and_reload(tiny_model, pairs_run, tmp_path):
     from conftest import run_dir_of, run_stage
     reward = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward.yaml",
@@ -154,3 +161,32 @@ def test_the_base_lock_covers_the_tokenizer_and_its_chat_template(tmp_path, tiny
     assert {k for k in after if after[k] != before[k]} == {"tokenizer_sha256"}
     with pytest.raises(RunError, match="field 'tokenizer_sha256'"):
         _lock_base({"sft_run": {"run_name": "S", "base": before}}, after)
+
+
+# --- the base lock reads the weights ------------------------------------------------------------------
+
+def test_the_base_lock_tells_apart_models_of_the_same_shapes(tmp_path, tiny_model):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from common.config import ModelArgs
+    from common.model import fingerprint
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    before = fingerprint(ModelArgs(model_name_or_path=str(model)))
+    def header():  # names, dtypes, shapes and offsets: what the lock used to hash
+        data = weights.read_bytes()
+        return data[8:8 + int.from_bytes(data[:8], "little")]
+    before_header = header()
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3  # another release of the same model: same names and shapes
+    stat = weights.stat()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with the old modification time
+    assert header() == before_header and weights.stat().st_size == stat.st_size
+    after = fingerprint(ModelArgs(model_name_or_path=str(model)))
+    assert after["weights_sha256"] != before["weights_sha256"]
+    assert fingerprint(ModelArgs(model_name_or_path=str(model))) == after  # read from the cache, the same

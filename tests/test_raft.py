@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import error_line, run_dir_of, run_stage
 
 
+@pytest.mark.stage
 def test_sft_trains_on_the_gated_best_of_n_picks_of_the_train_premises(pairs_run, tiny_model, tmp_path):
     common = ["--runs_dir", tmp_path]
     picks = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,

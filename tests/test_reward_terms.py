@@ -86,6 +86,7 @@ def grpo_with_terms(tiny_model, pairs_run, tmp_path_factory):
     return grpo
 
 
+@pytest.mark.stage
 def test_a_reward_added_as_a_function_and_two_yaml_lines_drives_grpo(grpo_with_terms):
     run = grpo_with_terms
     metrics = json.loads((run / "metrics.json").read_text())
@@ -140,6 +141,7 @@ def test_the_checkpoint_choice_follows_the_dev_judges_among_fluent_steps():
     assert choose([row(0, 0.5, -3.0), row(5, 0.9, math.nan)], tolerance=1.0) == 0  # unmeasured fluency never qualifies
 
 
+@pytest.mark.stage
 def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
     from safetensors.torch import load_file
     run = grpo_with_terms

@@ -4,12 +4,19 @@ heavy happens."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_dir_of, run_stage
+from conftest import REPO, error_line, run_dir_of, run_in_process, run_stage
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from common.cli import parse_config
 from common.config import (
@@ -64,6 +71,7 @@ def unfinished_sft(tmp_path, tiny_model, pairs_run):
     return tmp_path / "runs" / "killed"
 
 
+@pytest.mark.stage
 def test_resume_alone_takes_the_runs_own_settings_and_refuses_a_different_one(unfinished_sft):
     proc = run_stage("02_train_sft.py", "--resume", unfinished_sft, "--max_steps", "7", check=False)
     line = _no_traceback_one_error(proc)
@@ -77,6 +85,7 @@ def test_resume_alone_takes_the_runs_own_settings_and_refuses_a_different_one(un
     assert yaml.safe_load((unfinished_sft / "config.yaml").read_text())["max_steps"] == 4
 
 
+@pytest.mark.stage
 def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
     deleted = tmp_path / "deleted.jsonl"  # a Pairs run that failed: 0 usable pairs
     deleted.write_text(json.dumps({"op_id": "t3_x", "op_title": "CMV: a view", "positive_reply": "[deleted]",
@@ -92,6 +101,7 @@ def test_resume_refuses_another_stages_directory(tmp_path, pairs_run):
     assert sorted(p.name for p in pairs_dir.iterdir()) == before and not (pairs_dir / "DONE").exists()
 
 
+@pytest.mark.stage
 def test_a_failure_after_the_run_directory_exists_is_in_its_log(tmp_path):
     deleted = tmp_path / "deleted.jsonl"  # well-formed rows, every one unusable: a run with 0 pairs
     row = {"op_id": "t3_x", "op_title": "CMV: a view", "op_text": "Some text.", "positive_reply": "[deleted]",
@@ -107,6 +117,7 @@ def test_a_failure_after_the_run_directory_exists_is_in_its_log(tmp_path):
 
 # --- inputs are checked for what they are -------------------------------------------------------------
 
+@pytest.mark.stage
 def test_an_input_of_the_wrong_stage_is_refused_before_a_directory_is_made(tmp_path):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
     pairs_manifest = json.loads((pairs / "manifest.json").read_text())
@@ -119,6 +130,7 @@ def test_an_input_of_the_wrong_stage_is_refused_before_a_directory_is_made(tmp_p
     assert pairs_manifest["stage"] == "Pairs"
 
 
+@pytest.mark.stage
 def test_eval_refuses_a_reward_run_that_is_a_pairs_run_before_generating(tmp_path, pairs_run):
     proc = run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
                      "--reward_run", pairs_run, "--runs_dir", tmp_path / "runs", check=False)
@@ -126,6 +138,7 @@ def test_eval_refuses_a_reward_run_that_is_a_pairs_run_before_generating(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.stage
 def test_inputs_from_different_pairs_runs_are_refused_naming_them(tmp_path):
     p1 = _finished(tmp_path / "P1", "Pairs", artifacts={"test.jsonl": "{}\n"})
     p2 = _finished(tmp_path / "P2", "Pairs", artifacts={"test.jsonl": "{}\n"})
@@ -142,6 +155,7 @@ def test_inputs_from_different_pairs_runs_are_refused_naming_them(tmp_path):
     assert run.manifest["pairs_run"] == str(p1.resolve()) and run.manifest["task"] == "cmv"
 
 
+@pytest.mark.stage
 def test_another_judge_may_come_from_another_pairs_run_but_not_another_task_or_base(tmp_path):
     p1 = _finished(tmp_path / "P1", "Pairs", artifacts={"test.jsonl": "{}\n"})
     p2 = _finished(tmp_path / "P2", "Pairs", artifacts={"test.jsonl": "{}\n"})
@@ -163,6 +177,7 @@ def test_another_judge_may_come_from_another_pairs_run_but_not_another_task_or_b
         Run("Eval", config, {}, inputs={"pairs_run": p1, "judge_runs[0]": p2}, argv=["test"])
 
 
+@pytest.mark.stage
 def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
     sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=None, artifacts={"adapter/a": "x"})
@@ -173,6 +188,7 @@ def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("change", ["delete", "edit"])
 def test_an_input_whose_artifact_changed_after_it_finished_is_refused(tmp_path, change):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
@@ -187,6 +203,7 @@ def test_an_input_whose_artifact_changed_after_it_finished_is_refused(tmp_path, 
         Run("GRPO", config, {}, inputs={"sft_run": sft}, argv=["test"])
 
 
+@pytest.mark.stage
 def test_a_finished_stage_records_its_artifacts_and_a_later_stage_reads_its_config_typed(tmp_path, pairs_run):
     manifest = json.loads((pairs_run / "manifest.json").read_text())
     assert {"train.jsonl", "dev.jsonl", "test.jsonl", "metrics.json", "config.yaml"} <= set(manifest["artifacts"])
@@ -227,6 +244,7 @@ def test_a_bad_setting_is_a_config_error_naming_the_field(cls, argv, message):
         parse_config(cls, ["--config", f"configs/tiny/{recipe}.yaml", *argv])
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("script, argv, message", [
     ("01_build_pairs.py", ["--config", "configs/tiny/01_build_pairs.yaml", "--length_balance", "x"], "length_balance"),
     ("02_train_sft.py", ["--pairs_run", "runs/x"], "--config is required"),
@@ -245,6 +263,7 @@ def test_runs_dir_that_is_a_file_is_a_run_error(tmp_path):
         create_run_dir(tmp_path / "runs", "SFT")
 
 
+@pytest.mark.stage
 def test_every_stage_has_help_listing_its_fields():
     for script, field in (("01_build_pairs.py", "--length_balance"), ("02_train_sft.py", "--max_length"),
                           ("03_train_reward.py", "--judge_backbone"), ("04_train_grpo.py", "--guard_max_length_ratio"),
@@ -285,6 +304,7 @@ def stopped_sft(tmp_path_factory, tiny_model, pairs_run):
     return run
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("damage", [
     lambda p: p.write_bytes(__import__("pickle").dumps(__import__("collections").OrderedDict(a=print))),
     lambda p: p.write_bytes(__import__("pickle").dumps({"os": __import__("os").getcwd})),
@@ -299,6 +319,7 @@ def test_a_damaged_checkpoint_on_resume_is_one_error_line(tmp_path, stopped_sft,
     assert line.startswith(f"error: checkpoint {run / 'checkpoints' / 'checkpoint-2'} is damaged"), line
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("block", ["lock_is_a_folder", "read_only"])
 def test_resume_where_the_lock_cannot_be_opened_is_one_error_line(tmp_path, stopped_sft, block):
     import os
@@ -317,3 +338,231 @@ def test_resume_where_the_lock_cannot_be_opened_is_one_error_line(tmp_path, stop
     finally:
         run.chmod(0o700)
     assert line.startswith(f"error: cannot open {run / 'run.lock'} to lock the run"), line
+
+
+# --- settings refused before a run exists ------------------------------------------------------------
+
+def _run(script: str, *args) -> subprocess.CompletedProcess:
+    return run_in_process(script, *args)
+
+
+_error = error_line
+
+
+SFT = ["--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", "runs/not_needed"]
+
+
+@pytest.mark.stage
+@pytest.mark.parametrize("script, args", [
+    ("02_train_sft.py", [*SFT, "--learning_rate", "inf"]),
+    ("02_train_sft.py", [*SFT, "--learning_rate", ".nan"]),
+    ("04_train_dpo.py", ["--config", "configs/tiny/04_train_dpo.yaml", "--sft_run", "s", "--beta", "inf"]),
+], ids=["lr_inf", "lr_nan", "dpo_beta_inf"])
+def test_a_non_finite_setting_is_refused_before_a_run_exists(tmp_path, script, args):
+    line = _error(_run(script, *args, "--runs_dir", tmp_path / "runs"), tmp_path / "runs")
+    assert "must be a finite number" in line, line
+
+
+@pytest.mark.stage
+def test_infinite_epochs_are_refused_before_a_run_exists(tmp_path):
+    line = _error(_run("02_train_sft.py", *SFT, "--num_train_epochs", "inf", "--runs_dir", tmp_path / "runs"),
+                  tmp_path / "runs")
+    assert line.startswith("error: command line: field 'num_train_epochs' must be a finite number"), line
+
+
+@pytest.mark.stage
+def test_an_empty_config_or_a_missing_model_is_one_error_line(tmp_path, tiny_model):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set\n")
+    line = _error(_run("02_train_sft.py", "--config", empty, "--pairs_run", "p", "--runs_dir", tmp_path / "runs"),
+                  tmp_path / "runs")
+    assert line == f"error: {empty}: the config is empty; give a recipe (configs/<recipe>/0N_<stage>.yaml)"
+    line = _error(_run("02_train_sft.py", *SFT, "--model_name_or_path", tmp_path / "no_such_model",
+                       "--runs_dir", tmp_path / "runs"), tmp_path / "runs")
+    assert line.startswith(f"error: field 'model_name_or_path': no usable model at '{tmp_path / 'no_such_model'}'")
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\ndata: *a{levels - 1}\n"
+
+
+@pytest.mark.stage
+def test_a_yaml_alias_bomb_is_refused_at_once_in_a_short_line(tmp_path):
+    config = tmp_path / "bomb.yaml"
+    config.write_text(_alias_bomb())
+    started = time.time()
+    line = _error(_run("01_build_pairs.py", "--config", config, "--runs_dir", tmp_path / "runs"), tmp_path / "runs")
+    assert time.time() - started < 10 and len(line) < 300, (time.time() - started, len(line))
+    assert line.startswith(f"error: {config}:2: YAML aliases (*name) are not allowed"), line
+
+
+@pytest.mark.stage
+def test_a_key_given_twice_in_a_config_is_refused(tmp_path):
+    config = tmp_path / "twice.yaml"
+    config.write_text("task: cmv\nseed: 1\nreport_to: none\nseed: 2\n")
+    line = _error(_run("01_build_pairs.py", "--config", config, "--runs_dir", tmp_path / "runs"), tmp_path / "runs")
+    assert line == f"error: {config}:4: field 'seed' is given twice", line
+
+
+@pytest.mark.stage
+@pytest.mark.parametrize("script, args, field", [
+    ("05_eval.py", ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p", "--max_new_tokens", 10**8],
+     "max_new_tokens"),
+    ("04_train_dpo.py", ["--config", "configs/tiny/04_train_dpo.yaml", "--sft_run", "s", "--max_new_tokens", 8192],
+     "max_new_tokens"),
+    ("04_train_grpo.py", ["--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", "s", "--reward_run", "r",
+                          "--max_completion_length", 10**8], "max_completion_length"),
+], ids=["eval", "dpo", "grpo"])
+def test_generated_tokens_beyond_the_models_context_are_refused(tmp_path, tiny_model, script, args, field):
+    runs = tmp_path / "runs"
+    line = _error(run_in_process(script, *args, "--runs_dir", runs), runs)
+    assert line.startswith(f"error: field '{field}' ("), line
+    assert line.endswith("must fit the model's context of 8192 tokens (max_position_embeddings in "
+                         ".cache/models/tiny-llama3/config.json)"), line
+
+
+# --- input runs -------------------------------------------------------------------------------------
+
+@pytest.mark.stage
+def test_a_corrupt_manifest_in_an_input_or_resumed_run_is_one_error_line(tmp_path, tiny_model, pairs_run):
+    broken = tmp_path / "Dec01_Pairs_Run9"
+    shutil.copytree(pairs_run, broken)
+    (broken / "manifest.json").write_text('{"stage": "Pairs", "artif')
+    line = _error(_run("02_train_sft.py", *SFT[:2], "--pairs_run", broken, "--runs_dir", tmp_path / "runs"),
+                  tmp_path / "runs")
+    assert line.startswith(f"error: {broken / 'manifest.json'}: not a readable manifest"), line
+    os.remove(broken / "DONE")
+    line = _error(_run("01_build_pairs.py", "--resume", broken))
+    assert line.startswith(f"error: --resume {broken}: {broken / 'manifest.json'}: not a readable manifest"), line
+
+
+@pytest.mark.stage
+def test_an_input_run_without_an_artifact_list_is_refused(tmp_path, pairs_run):
+    from common.runs import check_input
+    copy = tmp_path / "Dec01_Pairs_Run9"
+    shutil.copytree(pairs_run, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["artifacts"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "test.jsonl").write_text("")
+    with pytest.raises(RunError, match=f"input run {copy} records no artifacts"):
+        check_input("pairs_run", copy)
+
+
+# --- run directories: the inputs and the lock on resume ---------------------------------------------
+
+PAIRS_01 = "configs/tiny/01_build_pairs.yaml"
+
+
+def _new_run(tmp_path: Path, *argv, base=None):
+    """A run directory as a stage creates it (settings, inputs, lock), without training anything."""
+    from common.config import SFTStageConfig
+    from common.runs import Run
+    new = [] if "--resume" in argv else ["--config", "configs/tiny/02_train_sft.yaml", "--runs_dir", str(tmp_path / "runs")]
+    config, overrides = parse_config(SFTStageConfig, [*new, *map(str, argv)])
+    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run}, base=base)
+    logging.getLogger().removeHandler(run._handler)
+    run._handler.close()
+    return run
+
+
+def _end(run) -> None:
+    """The process that ran `run` ends: its lock on the run directory goes with it."""
+    lock = getattr(run, "_lock", None)
+    if lock is not None:
+        lock.close()
+
+
+def _pairs(runs: Path, seed: int) -> Path:
+    proc = run_in_process("01_build_pairs.py", "--config", PAIRS_01, "--runs_dir", runs, "--run_name", "pairs",
+                          "--seed", seed)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir_of(proc)
+
+
+@pytest.mark.stage
+def test_a_resumed_run_refuses_an_input_rebuilt_since_it_started(tmp_path):
+    import shutil
+
+    from common.runs import RunError
+    pairs = _pairs(tmp_path / "pairs", 1)
+    first = _new_run(tmp_path, "--pairs_run", pairs, "--run_name", "sft")
+    recorded = (first.dir / "manifest.json").read_text()
+    _end(first)
+    shutil.rmtree(pairs)
+    _pairs(tmp_path / "pairs", 2)  # rebuilt under the same path: finished, unchanged since, but other pairs
+    with pytest.raises(RunError, match=rf"--resume {first.dir}: input --pairs_run {pairs} is not what the run "
+                                       r"started with \(sha256 "):
+        _new_run(tmp_path, "--resume", first.dir)
+    assert (first.dir / "manifest.json").read_text() == recorded  # the record of the first segment is kept
+
+
+@pytest.mark.stage
+def test_a_resumed_run_refuses_another_base(tmp_path):
+    from common.runs import RunError
+    pairs = _pairs(tmp_path / "pairs", 1)
+    first = _new_run(tmp_path, "--pairs_run", pairs, "--run_name", "sft", base={"weights_sha256": "a"})
+    _end(first)
+    with pytest.raises(RunError, match="the base model is not the one the run started with"):
+        _new_run(tmp_path, "--resume", first.dir, base={"weights_sha256": "b"})
+
+
+@pytest.mark.stage
+def test_one_run_directory_is_run_by_one_process_at_a_time(tmp_path):
+    from common.runs import RunError
+    pairs = _pairs(tmp_path / "pairs", 1)
+    first = _new_run(tmp_path, "--pairs_run", pairs, "--run_name", "sft")
+    with pytest.raises(RunError, match=rf"run directory {first.dir} is in use by another process"):
+        _new_run(tmp_path, "--resume", first.dir)
+    _end(first)  # the first process ended
+    again = _new_run(tmp_path, "--resume", first.dir)
+    assert len(again.manifest["resumed"]) == 1
+    _end(again)
+    assert "run.lock" not in json.dumps(json.loads((pairs / "manifest.json").read_text())["artifacts"])
+
+
+# --- property-based: hostile settings ---------------------------------------------------------------
+
+_CONFIG_VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from([".inf", "-.inf", ".nan", ".NaN", "1e400", "-1e400", "1.0e+400", "nan", "inf"]),
+    st.integers(-10**30, 10**30).map(str), st.integers(19, 5000).map(lambda n: "9" * n),
+    st.integers(1, 6).map(lambda n: "&x " + "[" * n + "1" + "]" * n),
+    st.just("[" * 3000 + "]" * 3000))
+_FIELDS = ("learning_rate", "num_train_epochs", "warmup_ratio", "lora_dropout", "max_steps", "lora_r", "seed",
+           "max_length", "window_overlap", "save_steps")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(_FIELDS), value=_CONFIG_VALUES, where=st.sampled_from(["yaml", "command_line", "twice"]),
+       aliases=st.integers(0, 6))
+def test_hostile_settings_are_a_checked_config_or_one_short_error(tmp_path, field, value, where, aliases):
+    from common.cli import parse_config
+    from common.config import INT_LIMIT, ConfigError, SFTStageConfig
+    base = Path("configs/tiny/review/02_train_sft.yaml").read_text()
+    text = base if where == "command_line" else base + f"\n{field}: {value}\n"
+    if where == "twice":
+        text += f"{field}: {value}\n"
+    if aliases:
+        text = text.replace("seed: 42", "") + _alias_bomb(aliases).replace("data:", "seed:")
+    config_path = tmp_path / "c.yaml"
+    config_path.write_text(text)
+    argv = ["--config", str(config_path), "--pairs_run", "p"]
+    argv += ["--" + field, value] if where == "command_line" else []
+    started = time.time()
+    try:
+        config, _ = parse_config(SFTStageConfig, argv)
+    except ConfigError as err:
+        assert len(str(err)) < 500 and time.time() - started < 10, str(err)[:500]
+        event("error: " + str(err).split(": ")[-2][-30:])
+        return
+    event("config")
+    assert where == "command_line" or (where == "yaml" and not aliases)
+    for name, got in vars(config).items():
+        if isinstance(got, float):
+            assert got == got and abs(got) != float("inf"), (name, got)
+        if isinstance(got, int):
+            assert abs(got) <= INT_LIMIT, name

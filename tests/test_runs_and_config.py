@@ -5,12 +5,13 @@ import datetime
 import json
 import multiprocessing
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, error_line, run_in_process
 
 from common.cli import parse_config
-from common.config import ConfigError, ModelArgs, RunArgs, TrainArgs
+from common.config import ConfigError, EvalConfig, ModelArgs, PairsConfig, RunArgs, TrainArgs
 from common.runs import Run, RunError, create_run_dir, run_dir_name
 
 
@@ -43,6 +44,7 @@ def _make(path):
     return create_run_dir(path, "GRPO").name
 
 
+@pytest.mark.slow
 def test_concurrent_runs_get_distinct_directories(tmp_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         names = pool.map(_make, [tmp_path] * 8)
@@ -238,6 +240,7 @@ _STAGES = {"01_build_pairs": "Pairs", "02_train_sft": "SFT", "03_train_reward": 
            "04_train_dpo": "DPO", "05_eval": "Eval"}
 
 
+@pytest.mark.stage
 @pytest.mark.parametrize("n", [65, 10**9, 2**62])
 def test_best_of_n_is_bounded_before_anything_is_allocated(tmp_path, n):
     from conftest import error_line, run_in_process
@@ -304,3 +307,90 @@ def test_replies_from_takes_any_judge_a_cross_fit_included(judges, ok):
     else:
         with pytest.raises(ConfigError, match="replies_from: give the judges"):
             parse_config(EvalConfig, argv)
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+PAIRS_01 = "configs/tiny/01_build_pairs.yaml"
+
+
+_error = error_line
+
+
+def test_an_inline_value_keeps_its_dashes():
+    config, overrides = parse_config(PairsConfig, ["--config", PAIRS_01, "--runs-dir=/x/my-runs",
+                                                   "--data=cmv-v2.jsonl"])
+    assert config.runs_dir == "/x/my-runs" and config.data == ["cmv-v2.jsonl"]
+    assert overrides == {"runs_dir": "/x/my-runs", "data": ["cmv-v2.jsonl"]}
+
+
+@pytest.mark.parametrize("argv", [["--seed", "1", "--seed", "2"], ["--seed=1", "--seed", "2"],
+                                  ["--runs_dir", "a", "--runs-dir", "b"]])
+def test_a_field_given_twice_on_the_command_line_is_refused(argv):
+    key = argv[-2].lstrip("-").replace("-", "_")
+    with pytest.raises(ConfigError, match=f"command line: --{key} is given twice"):
+        parse_config(PairsConfig, ["--config", PAIRS_01, *argv])
+
+
+@pytest.mark.stage
+@pytest.mark.parametrize("field, value", [("run_name", "Run1\nrun_dir: /etc"), ("run_name", "a\tb"),
+                                          ("runs_dir", "runs\nrun_dir: /etc")])
+def test_control_characters_in_a_run_name_are_refused(tmp_path, field, value):
+    runs = tmp_path / "runs"
+    args = ["--runs_dir", runs, "--run_name", value] if field == "run_name" else ["--runs_dir", f"{runs}/{value}"]
+    line = _error(run_in_process("01_build_pairs.py", "--config", PAIRS_01, *args), runs)
+    assert line.startswith(f"error: command line: field '{field}' must not hold control characters"), line
+
+
+@pytest.mark.parametrize("second", ["X", "./X", "X/"])
+def test_one_policy_run_given_twice_is_refused(second):
+    with pytest.raises(ConfigError, match="field 'policy_runs': X is given twice; give each run once"):
+        parse_config(EvalConfig, ["--config", "configs/tiny/05_eval.yaml", "--pairs_run", "p",
+                                  "--policy_runs", "X", second])
+
+
+# --- bounds and a full disk -------------------------------------------------------------------------
+
+def _no_done(runs: Path) -> None:
+    assert not list(runs.glob("*/DONE")), list(runs.glob("*/DONE"))
+
+
+@pytest.mark.stage
+def test_a_config_over_the_size_limit_is_refused_before_a_run_exists(tmp_path):
+    from common.config import MAX_CONFIG_BYTES
+    config = tmp_path / "big.yaml"
+    config.write_text("task: cmv\ndata:\n" + "- data/cmv/cmv_pairs.jsonl.gz\n" * (MAX_CONFIG_BYTES // 30 + 1))
+    runs = tmp_path / "runs"
+    line = _error(run_in_process("01_build_pairs.py", "--config", config, "--runs_dir", runs), runs)
+    assert line == f"error: {config}: {config.stat().st_size} bytes; a config is at most 1024 KiB", line
+
+
+@pytest.mark.stage
+def test_a_full_disk_is_one_error_line_and_no_done(tmp_path):
+    import errno
+    from unittest import mock
+
+    def full(path, rows):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    runs = tmp_path / "runs"
+    with mock.patch("common.data.write_jsonl", full):
+        line = _error(run_in_process("01_build_pairs.py", "--config", PAIRS_01, "--runs_dir", runs))
+    (run,) = runs.iterdir()
+    assert line == (f"error: {run / 'train.jsonl'}: No space left on device (errno 28); the run is left "
+                    f"unfinished, without DONE: free space, then run the stage again"), line
+    _no_done(runs)
+
+
+@pytest.mark.stage
+def test_a_config_with_a_field_under_its_old_and_new_name_is_refused(tmp_path):
+    from common.config import load_run_config
+    run = tmp_path / "Dec01_DPO_Run1"
+    run.mkdir()
+    (run / "manifest.json").write_text(json.dumps({"stage": "DPO"}))
+    (run / "config.yaml").write_text("sft_run: s\nshared_prompt: false\npair_in_one_sequence: true\n")
+    message = (f"{run / 'config.yaml'}: fields 'shared_prompt' and 'pair_in_one_sequence' are one field "
+               f"('shared_prompt' was renamed 'pair_in_one_sequence'); give it once")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_run_config(run)
+    line = _error(run_in_process("04_train_dpo.py", "--resume", run))
+    assert line == f"error: {message}", line

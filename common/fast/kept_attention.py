@@ -6,7 +6,7 @@ what its fused attention kernel returned (output, log-sum-exp and the kernel's o
 CPU memory with the layer's input (`Offloaded`), and the recomputation in backward gets those outputs back
 instead of running the kernel again. Autograd still records the kernel's own node, with its own backward,
 over the recomputed q, k and v: the gradients are the plain checkpointed ones, bit for bit
-(tests/test_patches.py). Whatever kernel SDPA picks (flash, cuDNN, memory-efficient, or the CPU's flash) is
+(tests/fast/test_patches.py). Whatever kernel SDPA picks (flash, cuDNN, memory-efficient, or the CPU's flash) is
 recorded; SDPA's math path runs as before. At 20,480 tokens a layer's attention forward is several TFLOP,
 its output the size of the layer's input (docs/performance.md).
 """

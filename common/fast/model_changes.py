@@ -123,7 +123,7 @@ def backends(config, applied: list[str], **parts: str) -> dict:
 def judges_in_one_row(trainer) -> bool:
     """GRPO's packed 4-bit judges run FlexAttention: the scorer then lays all the replies of a step end to
     end in one row (`RewardScorer._packed`) instead of one padded row per premise under a dense SDPA mask,
-    whose masked kernel is slow (docs/performance.md). Same scores (tests/test_judge.py)."""
+    whose masked kernel is slow (docs/performance.md). Same scores (tests/test_rewards.py)."""
     changed = False
     from common.reward_terms import learned_judges
     for scorer in learned_judges(getattr(trainer, "reward_funcs", [])):  # the judges behind the reward terms
@@ -216,7 +216,7 @@ def chunk_mlps(model, tokens: int) -> None:
 class CheckpointSomeLayers(TrainerCallback):
     """`layers_not_checkpointed`: the Trainer turns checkpointing on for every decoder layer as training
     begins; then the last `n` keep their activations (no recompute in backward), the others stay
-    checkpointed. Same gradients as either way (tests/test_memory_plan.py), less recompute for more memory."""
+    checkpointed. Same gradients as either way (tests/fast/test_memory_plan.py), less recompute for more memory."""
 
     def __init__(self, n: int):
         self.n = n

@@ -1,6 +1,6 @@
 """bitsandbytes' NF4 dequantisation as one Triton pass, for the decode step (common/fast/decode_step.py).
 
-The same values as bitsandbytes' `dequantize_4bit` (checked in tests/test_nf4_matmul.py), written by a
+The same values as bitsandbytes' `dequantize_4bit` (checked in tests/fast/test_nf4_dequantize.py), written by a
 memory-bound kernel that reads half a byte and writes one weight per element; faster than bitsandbytes'
 own kernel at decode shapes (docs/performance.md).
 

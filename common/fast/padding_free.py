@@ -13,7 +13,7 @@ as one row holding its sequences end to end, with no padding (`packed_rewards`):
 - the one-number head reads each sequence where the padded model's head reads it: its last token that
   is not the pad token.
 Every hidden state a head reads is the one of the sequence run alone, so rewards, loss and gradients
-are the padded model's (tests/test_padding_free.py). TRL's collator, loss and metrics are untouched: the
+are the padded model's (tests/fast/test_padding_free.py). TRL's collator, loss and metrics are untouched: the
 wrapped forward takes TRL's padded batch and returns one reward per row of it. With a token budget the
 micro-batches are filled to the budget in real tokens, not padded ones (token_budget.py).
 """

@@ -13,7 +13,7 @@ state of its own branch (the first chosen token from the first copy, the first r
 the second), and each position has one label. The second branch attends to the shared prompt and
 to itself, never to the first branch, and its positions continue from the prompt: every hidden state
 equals the one of the two-sequence layout, so the per-token log-probabilities, the loss and the
-gradients are TRL's (tests/test_dpo.py checks this on the tiny model). The reference pass goes through
+gradients are TRL's (tests/stages/test_dpo.py checks this on the tiny model). The reference pass goes through
 the same layout.
 
 How it plugs into TRL without copying its loss code: `SharedPromptCollator` returns TRL's own batch
@@ -224,7 +224,7 @@ def share_grpo_prompts(trainer, attention: str = "flex_attention") -> str:
     micro-batches; here each premise's replies are then put back together (the premises stay shuffled),
     which leaves TRL's loss unchanged: it sums over the whole generation batch (DAPO, its default,
     divides by all its tokens). The log-probs and entropies are handed back in TRL's (rows, reply
-    tokens) layout, so TRL's loss and metrics are its own (tests/test_shared_prompt.py). Returns the
+    tokens) layout, so TRL's loss and metrics are its own (tests/fast/test_shared_prompt.py). Returns the
     attention the model runs: `attention` on a GPU, sdpa on the CPU."""
     from trl.trainer.utils import split_tensor_dict  # internal, as are the trainer's names below: common/trl_compat.py
 

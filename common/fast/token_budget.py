@@ -27,7 +27,7 @@ it (each token's loss is divided by the step's token count, `num_items_in_batch`
 and DPO losses are means over a micro-batch's pairs, which the Trainer divides by the number of
 micro-batches: a pair in a small micro-batch would weigh more. `weigh_pairs_per_step` makes every
 pair of a step weigh the same: the mean over the step's pairs (over every process's), as one
-plain batch of the same pairs gives (tests/test_token_budget.py).
+plain batch of the same pairs gives (tests/fast/test_token_budget.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,58 @@
+"""scripts/judges_later_posts.sh and scripts/judge_ensemble.py with stand-ins for the stages."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+
+def _judge_dir(path: Path, dev_later_accuracy: float) -> None:
+    path.mkdir(parents=True)
+    judged = {"n_pairs": 4, "accuracy": dev_later_accuracy, "accuracy_ci95": [0.0, 1.0]}
+    audit = {"split": "dev_later", "judge": judged, "other_splits": {"dev": judged, "test": judged}, "periods": {},
+             "baselines": {k: {f"{s}_accuracy": 0.5 for s in ("dev_later", "dev", "test")}
+                           for k in ("length_only", "bag_of_words")}}
+    for name, data in (("judge_audit.json", audit), ("metrics.json", {}), ("manifest.json", {"pairs_run": "p"})):
+        (path / name).write_text(json.dumps(data))
+
+
+CANDIDATES = ("features", "minilm_pairwise", "minilm_pairwise_premise256", "minilm_pairwise_lr5e-5_3ep", "minilm_pairwise_seed7",
+              "minilm_pointwise", "minilm_pairwise_reply_only", "smollm2_decoder", "smollm2_decoder_lr3e-4")
+
+
+@pytest.mark.stage
+def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path):
+    """The script's chain with stand-ins for the stages: the two best judges on dev_later reach the ensemble
+    whole, and the best is printed whole."""
+    runs = tmp_path / "my runs"
+    for k, name in enumerate(CANDIDATES):
+        _judge_dir(runs / f"Judge_{name}", (k + 1) / 10)
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+case $1 in
+  01_build_pairs.py) echo "run_dir: $RUNS_DIR/pairs run" ;;
+  03_train_reward.py) while [[ $1 != --run_name ]]; do shift; done; echo "run_dir: $RUNS_DIR/$2" ;;
+  scripts/judges_later_posts.py) if [[ $2 == best* ]]; then exec "{sys.executable}" "$@"; fi ;;
+  scripts/judge_ensemble.py) printf '%s\\n' "${{@:2}}" > "{tmp_path}/ensemble_args" ;;
+esac
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "RUNS_DIR": str(runs), "RECIPE_03": "configs/tiny"}
+    proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ensemble_args").read_text().splitlines()[:2] == [
+        str(runs / "Judge_smollm2_decoder_lr3e-4"), str(runs / "Judge_smollm2_decoder")]
+    assert proc.stdout.strip().splitlines()[-1] == f"best: smollm2_decoder_lr3e-4 {runs / 'Judge_smollm2_decoder_lr3e-4'}"
+
+
+@pytest.mark.slow
+def test_judge_ensemble_of_an_unfinished_run_is_one_error_line(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/judge_ensemble.py", str(tmp_path / "a b"), str(tmp_path / "c")],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"error: input {tmp_path / 'a b'} does not exist (no such file or run directory)"

@@ -1,0 +1,213 @@
+"""The review task's rating model (common/rating_model.py) and every rating source of stage 05
+(common/rating_sources.py): the regression target and the pooling over windows on the tiny model, the
+metrics of each source on fixed predictions against hand-computed numbers, the blend fitted on the dev
+papers only, a paper without a rating left out and counted, and stage 05 end to end with both."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_dir_of, run_stage
+
+from common.data import load_split, one_per_group
+from common.rating_sources import apply_blend, fit_blend, rating_sources, source_metrics
+
+TINY = "configs/tiny/review"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """A review pairs run and a rating model trained on it (tiny model, 2 steps)."""
+    out = tmp_path_factory.mktemp("rating_runs")
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", f"{TINY}/01_build_pairs.yaml", "--runs_dir", out))
+    rating = run_dir_of(run_stage("03_train_reward.py", "--config", f"{TINY}/03_train_rating.yaml",
+                                  "--pairs_run", pairs, "--runs_dir", out))
+    return out, pairs, rating
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+def test_pool_mean_and_attention_by_hand():
+    from common.rating_model import pool
+    logits = torch.tensor([[1.0, 0.0], [3.0, math.log(3)], [-2.0, 5.0]])
+    index = torch.tensor([0, 0, 1])
+    assert pool(logits, index, 2, "mean").tolist() == pytest.approx([2.0, -2.0])
+    # paper 0: weights 1/4 and 3/4 on scores 1 and 3; paper 1: one window
+    assert pool(logits, index, 2, "attention").tolist() == pytest.approx([0.25 * 1 + 0.75 * 3, -2.0])
+
+
+@pytest.mark.stage
+def test_the_target_is_the_standardised_mean_rating_of_the_train_papers(runs):
+    _, pairs, rating = runs
+    scale = json.loads((rating / "rating_scale.json").read_text())
+    train = one_per_group(load_split(pairs, "train"))[:6]  # max_train_examples: 6 papers
+    means = np.array([np.mean(r["human_ratings"]) for r in train])
+    assert scale["mean"] == pytest.approx(means.mean()) and scale["sd"] == pytest.approx(means.std())
+    assert scale["n_train_papers"] == 6 and scale["pooling"] == "mean"
+    metrics = json.loads((rating / "metrics.json").read_text())
+    assert metrics["judge_objective"] == "rating" and metrics["n"] == 4
+    for key in ("rating_mae", "rating_rmse", "rating_pearson", "rating_spearman"):
+        assert key in metrics
+    # the loss the trainer logged is the regression's on those targets: finite, positive
+    assert 0 < metrics["train"]["train_loss"] < 10
+
+
+@pytest.mark.stage
+def test_a_paper_is_its_windows_pooled_and_unstandardised(runs):
+    """RatingModel.from_run's rating = mean + sd * the mean of the head's score on each window, each
+    window run alone; and it reproduces the dev ratings stage 03 wrote."""
+    from common.rating_model import RatingModel, paper_inputs
+    _, pairs, rating = runs
+    model = RatingModel.from_run(rating)
+    dev = one_per_group(load_split(pairs, "dev"))[:2]
+    windows = [paper_inputs(r, model.tokenizer, model.config, model.kind) for r in dev]
+    assert all(1 < len(w) <= model.config.rating_max_windows for w in windows)  # long papers: several windows
+    assert all(len(ids) <= model.config.max_length for w in windows for ids in w)
+    by_hand = []
+    with torch.no_grad():
+        for paper in windows:
+            scores = [float(model.model(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in paper]
+            by_hand.append(model.scale["mean"] + model.scale["sd"] * sum(scores) / len(scores))
+    predicted = model.predict(dev)
+    assert predicted == pytest.approx(by_hand, abs=2e-2)  # bf16 compute: padded batches round differently
+    written = [json.loads(line) for line in (rating / "dev_ratings.jsonl").read_text().splitlines()][:2]
+    assert [w["predicted"] for w in written] == pytest.approx(predicted, abs=1e-4)
+
+
+def test_the_encoder_reads_title_abstract_and_introduction():
+    from common.rating_model import encoder_text
+    row = {"paper": "# T\n\n## Abstract\n\nWe do X.\n\n## 1 Introduction\n\nX matters.\n\n## 2 Method\n\nSecret."}
+    assert encoder_text(row) == "# T\n\n## Abstract\n\nWe do X.\n\n## 1 Introduction\n\nX matters."
+
+
+# --- the sources ------------------------------------------------------------------------------------
+
+def test_source_metrics_on_fixed_predictions():
+    """pred [4, 3, 5] vs gold [4.5, 3, 4], constant 4: MAE 0.5, RMSE sqrt(1.25/3), Pearson sqrt(3/7),
+    Spearman 0.5 (ranks [2, 1, 3] vs [3, 1, 2]); |pred - gold| - |4 - gold| = [0, -1, 1]: mean 0."""
+    r = source_metrics([4, 3, 5], [4.5, 3, 4], 4.0, seed=0)
+    assert r["rating_mae"] == pytest.approx(0.5) and r["rating_rmse"] == pytest.approx(math.sqrt(1.25 / 3))
+    assert r["rating_pearson"] == pytest.approx(math.sqrt(3 / 7)) and r["rating_spearman"] == pytest.approx(0.5)
+    assert r["mae_minus_constant"] == pytest.approx(0.0) and r["n"] == 3 and r["n_without_rating"] == 0
+    low, high = r["mae_minus_constant_ci"]
+    assert -1 <= low <= 0 <= high <= 1
+    better = source_metrics([4.5, 3, 4], [4.5, 3, 4], 4.0, seed=0)  # perfect: 0.5 better than the constant
+    assert better["mae_minus_constant"] == pytest.approx(-0.5) and better["mae_minus_constant_ci"][1] <= 0 < -better["mae_minus_constant_ci"][0]
+
+
+def test_a_paper_without_a_rating_is_kept_out_and_counted():
+    r = source_metrics([4, None, 3, 5, 2], [4.5, 4, 3, 4, None], 4.0, seed=0)
+    assert r["n"] == 3 and r["n_without_rating"] == 2 and r["rating_mae"] == pytest.approx(0.5)
+    premises = [{"human_ratings": [4, 5]}, {"human_ratings": []}, {"human_ratings": [3]}]
+    out = rating_sources(premises, {"sft": {"parsed": [4, 4, None], "readout": [4.2, 3.9, 3.1],
+                                            "rating": [4, 4, 3.1]}}, None, 4.0, seed=0)["sources"]
+    assert out["sft_parsed"]["n"] == 1 and out["sft_parsed"]["n_without_rating"] == 2
+    assert out["sft_readout"]["n"] == 2 and out["sft_readout"]["n_without_rating"] == 1
+    assert out["baseline_constant"]["n_without_rating"] == 1
+    assert out["baseline_human"]["n_papers"] == 1 and out["baseline_human"]["n_without_rating"] == 1
+
+
+def test_the_blend_is_least_squares_on_dev_and_never_sees_the_scored_papers():
+    dev = [{"id": f"d{i}", "human_ratings": [g]} for i, g in enumerate([3.0, 4.0, 5.0, 4.5, 2.5])]
+    written = [3.5, 4.0, 4.0, 5.0, 3.0]
+    model_dev = [3.2, 3.9, 4.8, 4.4, 2.9]
+    X = np.column_stack([np.ones(5), written, model_dev])
+    want = np.linalg.lstsq(X, [3.0, 4.0, 5.0, 4.5, 2.5], rcond=None)[0]
+    extra = {"dev": {"sft": {r["id"]: w for r, w in zip(dev, written)}}, "dev_rows": dev,
+             "rating_model_dev": {r["id"]: m for r, m in zip(dev, model_dev)}, "rating_model": [4.1, 3.0]}
+    per_model = {"sft": {"parsed": [4, None], "readout": [4.0, 3.3], "rating": [4, 3.3]}}
+    fits = []
+    for gold in ([4.0, 3.0], [1.0, 6.0]):  # the scored papers' ratings change; the blend must not
+        scored = [{"human_ratings": [g]} for g in gold]
+        out = rating_sources(scored, per_model, extra, 4.0, seed=0)["sources"]
+        fits.append(out["sft_blend"]["blend"])
+    assert fits[0] == fits[1]
+    b = fits[0]
+    assert [b["intercept"], b["weights"]["sft_rating"], b["weights"]["rating_model"]] == pytest.approx(want.tolist())
+    assert b["n_fit"] == 5
+    expected = np.clip(want[0] + want[1] * np.array([4, 3.3]) + want[2] * np.array([4.1, 3.0]), 1, 6)
+    assert apply_blend(b, {"sft_rating": [4, 3.3], "rating_model": [4.1, 3.0]}) == pytest.approx(expected.tolist())
+
+
+def test_a_blend_with_fewer_dev_papers_than_weights_is_refused():
+    from common.runs import RunError
+    with pytest.raises(RunError, match="3 weights but only 1 dev papers"):
+        fit_blend({"a": [1.0, 2.0], "b": [3.0, None]}, [1.0, 2.0])
+
+
+# --- stage 05 ------------------------------------------------------------------------------------
+
+@pytest.mark.stage
+def test_stage_05_reports_every_rating_source(runs):
+    out, pairs, rating = runs
+    common = ["--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--runs_dir", out, "--max_new_tokens", "8"]
+    dev = run_dir_of(run_stage("05_eval.py", *common, "--split", "dev", "--max_premises", "5"))
+    proc = run_stage("05_eval.py", *common, "--max_premises", "3", "--rating_run", rating, "--rating_dev_run", dev)
+    evalrun = run_dir_of(proc)
+    sources = json.loads((evalrun / "eval.json").read_text())["rating_sources"]
+    assert set(sources) == {"base_parsed", "base_readout", "rating_model", "baseline_constant", "base_blend",
+                            "baseline_human"}
+    assert sources["rating_model"]["n"] == 3 and "rating_spearman_ci" in sources["rating_model"]
+    assert sources["base_blend"]["blend"]["n_fit"] == 5
+    assert set(sources["base_blend"]["blend"]["weights"]) == {"base_rating", "rating_model"}
+    for name in sources:
+        assert (evalrun / f"rating_{name}_scatter.png").is_file()
+    assert "## Every rating source" in (evalrun / "report.md").read_text()
+    # a test-split run is no dev run for the blend: one error line, before anything is generated
+    bad = run_stage("05_eval.py", *common, "--max_premises", "3", "--rating_dev_run", evalrun, check=False)
+    assert bad.returncode != 0 and "the blend is fitted on the dev papers" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_rerank_keeps_the_review_whose_rating_is_nearest_the_rating_models():
+    from common.rating_sources import rerank_by_rating
+    sampled = ["Overall Quality: 2", "Overall Quality: 4", "no rating",  # paper 1, rating model 4.4
+               "loops", "loops again", "Overall Quality: 6"]  # paper 2, rating model 3.0
+    kept, info = rerank_by_rating(sampled, 3, [4.4, 3.0])
+    assert kept == ["Overall Quality: 4", "Overall Quality: 6"]
+    assert info[0] == {"candidate_ratings": [2.0, 4.0, None], "kept": 1, "rating_model": 4.4}
+    assert rerank_by_rating(["a", "b"], 2, [4.0])[0] == ["a"]  # none writes a rating: the first
+
+
+@pytest.mark.stage
+def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
+    out, pairs, rating = runs
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", f"{TINY}/02_train_sft.yaml", "--pairs_run", pairs,
+                               "--runs_dir", out, "--max_steps", "1"))
+    common = ["--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--runs_dir", out, "--max_new_tokens", "8",
+              "--sft_run", sft]
+    dev = run_dir_of(run_stage("05_eval.py", *common, "--split", "dev", "--max_premises", "4", "--evaluate_base", "false"))
+    evalrun = run_dir_of(run_stage("05_eval.py", *common, "--max_premises", "2", "--rating_run", rating,
+                                   "--rating_dev_run", dev, "--rerank_by_rating", "2"))
+    results = json.loads((evalrun / "eval.json").read_text())
+    assert {"sft", "rerank_by_rating"} <= set(results) and "rerank_by_rating_readout" in results["rating_sources"]
+    # the dev run evaluated the same SFT run (not the base): SFT's blend only, fitted on its 4 dev papers
+    assert "sft_blend" in results["rating_sources"] and "base_blend" not in results["rating_sources"]
+    assert results["rating_sources"]["sft_blend"]["blend"]["n_fit"] == 4
+    assert results["rerank_by_rating"]["n"] == 2 and "bleu4" in results["rerank_by_rating"]
+    rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
+    assert all(len(r["rerank_by_rating"]["candidate_ratings"]) == 2 for r in rows)
+
+
+@pytest.mark.stage
+@pytest.mark.parametrize("variant", [["--config", f"{TINY}/03_train_rating_minilm.yaml"],
+                                     ["--config", f"{TINY}/03_train_rating.yaml", "--rating_pooling", "attention"]],
+                         ids=["minilm_encoder", "attention_pooling"])
+def test_the_encoder_and_attention_pooling_rate_as_stage_03_measured(runs, variant):
+    """The MiniLM baseline (one input a paper, early stopping on dev) and attention pooling (a head of two
+    outputs) are saved and read back to the dev ratings stage 03 wrote."""
+    from common.model import unwrap_peft
+    from common.rating_model import RatingModel
+    out, pairs, _ = runs
+    run = run_dir_of(run_stage("03_train_reward.py", *variant, "--pairs_run", pairs, "--runs_dir", out))
+    model = RatingModel.from_run(run)
+    head = unwrap_peft(model.model).config.num_labels
+    assert head == (2 if "attention" in variant else 1)
+    dev = one_per_group(load_split(pairs, "dev"))[:4]
+    written = [json.loads(line)["predicted"] for line in (run / "dev_ratings.jsonl").read_text().splitlines()]
+    assert model.predict(dev) == pytest.approx(written, abs=1e-4)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert ("early_stopping" in metrics) == ("attention" not in variant)
