@@ -94,6 +94,7 @@ def test_task_options_are_the_tasks_own_and_checked_naming_the_field(toy_registe
         options(get_task("cmv"), {"n_words": 3})
 
 
+@pytest.mark.stage
 def test_a_task_not_registered_is_one_error_naming_the_known_ones(tmp_path):
     proc = run_in_process("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml", "--task", "chess",
                           "--runs_dir", tmp_path / "runs")

@@ -125,6 +125,7 @@ def test_outside_common_fast_the_pipeline_goes_through_its_face():
     assert not bypasses, bypasses
 
 
+@pytest.mark.stage
 def test_config_yaml_says_the_memory_plan_that_ran(tiny_model, pairs_run, tmp_path, monkeypatch):
     """memory_levers fit on a GPU whose budget leaves room for one layer's activations (the tiny model's
     estimates; on this CPU, the GPU's room is given): checkpointing on, the last layer not checkpointed,
@@ -149,6 +150,7 @@ def test_config_yaml_says_the_memory_plan_that_ran(tiny_model, pairs_run, tmp_pa
     assert ran.memory_levers == "fit" and ran.max_steps == 1  # the rest as the command line gave it
 
 
+@pytest.mark.stage
 def test_settle_checks_first_and_rewrites_only_what_changed(pairs_run, tmp_path):
     config = SFTStageConfig(pairs_run=str(pairs_run), runs_dir=str(tmp_path), gradient_checkpointing=False)
     run = Run("SFT", config, {}, inputs={"pairs_run": pairs_run}, argv=["test"])

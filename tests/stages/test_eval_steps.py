@@ -65,6 +65,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.stage
 def test_the_same_inputs_and_seeds_give_the_same_results(two_evals):
     (first, second), _, _ = two_evals
     assert _strip(json.loads((first / "eval.json").read_text())) == _strip(json.loads((second / "eval.json").read_text()))
@@ -75,6 +76,7 @@ def test_the_same_inputs_and_seeds_give_the_same_results(two_evals):
     assert shown[0] == shown[1]
 
 
+@pytest.mark.stage
 def test_eval_json_says_what_the_replies_and_their_scores_give(two_evals):
     (run, _), pairs, reward = two_evals
     results, rows = json.loads((run / "eval.json").read_text()), _lines(run / "replies.jsonl")
