@@ -24,10 +24,28 @@ stage() {
 # stops the script, showing the log's end, when one failed. `wait_for_all --allow_failures` goes on,
 # naming them: a stage its length guard stopped is a finding (STOPPED), any other failure is kept in
 # FAILED, and `finish_chain` (the chain's last step) then ends the chain with status 1, naming them.
+# MAX_JOBS: at most that many of a script's stages at once (the rest wait their turn), so that a chain
+# fits one GPU's memory. RESUME=1 restarts a chain that stopped: a stage whose --run_name already names
+# a finished run (DONE) is not run again, its run is taken as it is; an unfinished one is left as it is
+# and the stage runs again under the next free name (NAME_2, NAME_3, ...).
 background() {
   local name=$1; shift
   rm -f "$LOGS/$name.dir"
-  ( "$PY" "$@" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 \
+  local args=("$@") i run next n
+  for (( i = 0; i < ${#args[@]} - 1; i++ )); do
+    [[ ${args[i]} == --run_name && ${RESUME:-0} == 1 ]] || continue
+    run=${args[i + 1]}
+    if [[ -f "$RUNS_DIR/$run/DONE" ]]; then
+      echo "stage $name: $RUNS_DIR/$run is finished, taken as it is (RESUME=1)" >&2
+      echo "$RUNS_DIR/$run" > "$LOGS/$name.dir"
+      return
+    fi
+    next=$run n=1
+    while [[ -e "$RUNS_DIR/$next" ]]; do n=$((n + 1)); next=${run}_$n; done
+    args[i + 1]=$next
+  done
+  while (( $(jobs -rp | wc -l) >= ${MAX_JOBS:-1000} )); do wait -n || true; done
+  ( "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 \
     && grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir" ) &
   BACKGROUND+=("$name")
 }

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import DataError, load_split, read_json  # noqa: E402
 from common.metrics import bootstrap_ci, wins  # noqa: E402
-from common.rewards import RewardScorer  # noqa: E402
 from common.runs import RunError, require_done  # noqa: E402
+from common.scorers import load_scorer  # noqa: E402
 
 
 def main(runs: list[str]) -> dict:
@@ -33,7 +33,7 @@ def main(runs: list[str]) -> dict:
     splits = {s: load_split(pairs_run, s) for s in ("dev_later", "test")}
     scores = {}  # run -> split -> (chosen, rejected)
     for run in runs:
-        judge = RewardScorer.from_run(run, batch_size=32)
+        judge = load_scorer(f"run:{run}", batch_size=32)  # any judge run: 4-bit, encoder, features
         scores[run] = {s: tuple(np.asarray(judge.score([r["prompt"] for r in rows], [r[k] for r in rows]))
                                 for k in ("chosen", "rejected")) for s, rows in splits.items()}
         del judge

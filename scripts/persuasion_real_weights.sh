@@ -17,7 +17,9 @@
 # writer): 05 checks every reply's fluency under it, and the GRPO recipe par_fluency_gate runs: the judge
 # as PAR, replies below SFT's fluency gated to 0, a checkpoint every 4 steps chosen on dev by the best
 # judge of another family and the fluency check. DECODING: the decoding's arguments, chosen on dev
-# earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base.
+# earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; CROSSFIT=0 the cross-fit. SFT_RUN: a
+# finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
+# on from a chain that stopped: every finished stage is taken as it is. MAX_JOBS: stages at once.
 # RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny; configs/qwen-gpu with
 # MAX_PREMISES=100 and PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml: Qwen2.5-Coder-1.5B); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
@@ -56,16 +58,9 @@ declare -A GRPO_RECIPES=(
 # 1. Pairs; SFT in the background while the judge candidates train and the best on dev_later is picked.
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
 # shellcheck disable=SC2086
-[[ -n ${SFT_RUN:-} ]] || background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" ${SFT_ARGS:-}
-if [[ -n ${JUDGES_DONE:-} ]]; then  # the candidates of an earlier sweep on this pairs run ($LOGS/judges/NAME.dir)
-  done_=(); for dir in "$LOGS"/judges/*.dir; do
-    name=$(basename "$dir" .dir); [[ $name == ensemble_* ]] || done_+=("$name=$(cat "$dir")"); done
-  "$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${done_[@]}"
-  best=$("$PY" scripts/judges_later_posts.py best "${done_[@]}")
-else
-  best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \
-    || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
-fi
+[[ -n ${SFT_RUN:-} ]] || background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" --run_name SFT ${SFT_ARGS:-}
+best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \
+  || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
 read -r _ judge_name judge <<<"$best"
 echo "training judge (best on dev_later): $judge_name $judge" >&2
 singles=(); for dir in "$LOGS"/judges/*.dir; do
@@ -120,8 +115,8 @@ done
 # shellcheck disable=SC2086
 [[ ${FROM_BASE:-1} == 1 ]] && background grpo_from_base 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" \
   --pairs_run "$pairs" --reward_run "$judge" --learning_rate 1e-4 $GRPO_ARGS --run_name GRPO_from_base_lr1e-4
-background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft"
-background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo
+background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --run_name DPO
+background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo --run_name ORPO
 wait_for_all --allow_failures
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done

@@ -38,3 +38,39 @@ def test_stage_keeps_a_callers_own_runs_dir(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert "stage of one.py args: --runs_dir /mine" in proc.stdout.splitlines(), proc.stdout
     assert "stage of two.py args: --runs_dir=/theirs" in proc.stdout.splitlines(), proc.stdout
+
+
+def test_resume_takes_finished_runs_and_renames_unfinished_ones(tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "Done").mkdir(parents=True)
+    (runs / "Done" / "DONE").write_text("")
+    (runs / "Half").mkdir()  # a run that stopped: left as it is
+    (runs / "Half_2").mkdir()
+    body = ('LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
+            'background a one.py --run_name Done\nbackground b two.py --run_name Half\n'
+            'background c three.py --run_name New\nwait_for_all\n'
+            'for n in a b c; do echo "$n: $(cat "$LOGS/$n.dir") $(head -1 "$LOGS/$n.log" 2>/dev/null)"; done')
+    proc = _demo(tmp_path, body, RESUME="1")
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert f"a: {runs / 'Done'} " in lines, proc.stdout  # taken as it is: never run again
+    assert f"b: /r/two.py stage of two.py args: --run_name Half_3 --runs_dir {runs}" in lines, proc.stdout
+    assert f"c: /r/three.py stage of three.py args: --run_name New --runs_dir {runs}" in lines, proc.stdout
+    without = _demo(tmp_path, body)  # without RESUME, every stage runs under the name it is given
+    assert "stage of one.py args: --run_name Done" in without.stdout, without.stdout
+
+
+def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
+    fake = tmp_path / "slow"
+    fake.write_text('#!/usr/bin/env bash\necho start >> "$RUNS_DIR/events"; sleep 0.5\n'
+                    'echo end >> "$RUNS_DIR/events"; echo "run_dir: /r/$1"\n')
+    fake.chmod(0o755)
+    body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR; '
+            'for n in 1 2 3 4; do background s$n x.py; done; wait_for_all')
+    proc = _demo(tmp_path, body, MAX_JOBS="2", PY=str(fake))
+    assert proc.returncode == 0, proc.stdout
+    running, most = 0, 0
+    for event in (tmp_path / "runs" / "events").read_text().split():
+        running += 1 if event == "start" else -1
+        most = max(most, running)
+    assert most == 2, (tmp_path / "runs" / "events").read_text()

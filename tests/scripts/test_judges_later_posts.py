@@ -17,8 +17,11 @@ def _judge_dir(path: Path, dev_later_accuracy: float) -> None:
     audit = {"split": "dev_later", "judge": judged, "other_splits": {"dev": judged, "test": judged}, "periods": {},
              "baselines": {k: {f"{s}_accuracy": 0.5 for s in ("dev_later", "dev", "test")}
                            for k in ("length_only", "bag_of_words")}}
-    for name, data in (("judge_audit.json", audit), ("metrics.json", {}), ("manifest.json", {"pairs_run": "p"})):
+    for name, data in (("judge_audit.json", audit), ("metrics.json", {}),
+                       ("manifest.json", {"pairs_run": "p", "stage": "Reward"})):
         (path / name).write_text(json.dumps(data))
+    (path / "config.yaml").write_text((REPO / "configs/tiny/03_train_reward_features.yaml").read_text()
+                                      .replace("pairs_run: null", "pairs_run: p"))
 
 
 CANDIDATES = ("features", "minilm_pairwise", "minilm_pairwise_premise256", "minilm_pairwise_lr5e-5_3ep", "minilm_pairwise_seed7",
@@ -56,3 +59,19 @@ def test_judge_ensemble_of_an_unfinished_run_is_one_error_line(tmp_path):
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == f"error: input {tmp_path / 'a b'} does not exist (no such file or run directory)"
+
+
+@pytest.mark.stage
+def test_judge_ensemble_takes_feature_judges(tmp_path):
+    """scripts/judge_ensemble.py loads each run through the Scorer seam: a feature judge is one of the two best."""
+    from conftest import run_dir_of, run_stage
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/smol/01_build_pairs.yaml",
+                                 "--runs_dir", str(tmp_path)))
+    judges = [run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward_features.yaml",
+                                   "--pairs_run", str(pairs), "--seed", str(seed), "--runs_dir", str(tmp_path),
+                                   "--run_name", f"Features_{seed}")) for seed in (1, 2)]
+    proc = subprocess.run([sys.executable, "scripts/judge_ensemble.py", *map(str, judges), "--out",
+                           str(tmp_path / "ensemble.json")], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "ensemble.json").read_text())
+    assert out["runs"] == ["Features_1", "Features_2"] and 0 <= out["test"]["ensemble"]["accuracy"] <= 1
