@@ -45,8 +45,8 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
             assert low <= scored["win_rate_vs_base"] <= high and "lc_win_rate_vs_base_ci95" in scored
             assert ("win_rate_vs_sft" in scored) == (name not in ("base", "sft")), name
     assert len(summary["grpo_recipes"]) == 5 and all(c["rewards"] for c in summary["grpo_recipes"].values())
-    gated = json.loads(open(f"{summary['grpo_recipes']['par_fluency_gate']['run']}/metrics.json").read())
-    assert {"rewards/par/mean", "rewards/fluency/mean"} <= set(gated["log_history"][0]), gated["log_history"][0]
+    gated = json.loads((tmp_path / summary['grpo_recipes']['par_fluency_gate']['run'] / 'metrics.json').read_text())
+    assert {"rewards/par/mean", "rewards/fluency_gate/mean"} <= set(gated["log_history"][0]), gated["log_history"][0]
     assert gated["checkpoint_choice"]["chosen_step"] in [c["step"] for c in gated["checkpoint_choice"]["curve"]]
     per_model = [line for line in summary["verdict"] if line.startswith("**") and line[2:].split("**")[0] in models]
     assert len(per_model) == len(models) - 1  # every model but the base; then the family and fluency lines
