@@ -13,15 +13,18 @@
 #      GPU; DECODING: the decoding chosen on dev by the sweep of 2026-12-04, docs/results.md)
 #   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
 #      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
-# RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh).
+# RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
+# whole judge sweep was measured already: BUILTIN=0 CANDIDATES_FILE=configs/qwen-gpu/judges_practice_candidates.txt
+# ENSEMBLE_SIZES= (eight candidates, one wave).
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
 export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
-  GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} FROM_BASE=${FROM_BASE:-0} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} ENSEMBLE_SIZES=${ENSEMBLE_SIZES-2} \
+  ENSEMBLE_SIZES=${ENSEMBLE_SIZES-2} CROSSFIT=${CROSSFIT:-0} FROM_BASE=${FROM_BASE:-0} \
+  GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
-  MAX_JOBS=${MAX_JOBS:-8}  # at once: Qwen's SFT (~52 GiB) beside fifteen judge candidates ran one H200 out of memory
+  MAX_JOBS=${MAX_JOBS:-8}  # stages at once: fifteen judge candidates beside SFT ran one H200 out of memory
 t0=$(date +%s)
 "$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --offline >&2
 "$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --offline >&2
