@@ -249,13 +249,14 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
 
 def model_adapters(run) -> dict[str, Path]:
     """sft, then each policy under its stage's name (grpo, dpo, orpo; grpo_from_base for one that started on the
-    base; a second of a kind gets a number)."""
+    base; raft for an SFT run on best-of-n picks, --targets_from; a second of a kind gets a number)."""
     adapters = {}
     if run.config.sft_run:
         adapters["sft"] = Path(run.config.sft_run) / "adapter"
     for i, path in enumerate(run.config.policy_runs):
         recorded = run.inputs[f"policy_runs[{i}]"]
-        name = recorded["stage"].lower() + ("_from_base" if recorded.get("started_from") == "base" else "")
+        name = "raft" if recorded.get("targets_from") else \
+            recorded["stage"].lower() + ("_from_base" if recorded.get("started_from") == "base" else "")
         name = name if name not in adapters else f"{name}{i + 1}"
         adapters[name] = Path(path) / "adapter"
     return adapters

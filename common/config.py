@@ -632,7 +632,8 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     pairs_run: str | None = arg(None, "the Pairs run whose held-out split is scored (required; with replies_from, that run's)")
     reward_run: str | None = arg(None, "the Reward run whose judge scores every reply (required for CMV)")
     sft_run: str | None = arg(None, "an SFT run to evaluate (optional)")
-    policy_runs: list[str] = arg(help="GRPO, DPO or ORPO runs to evaluate (optional)", factory=list)
+    policy_runs: list[str] = arg(help="GRPO, DPO, ORPO or RAFT (SFT --targets_from) runs to evaluate (optional)",
+                                 factory=list)
     judge_runs: list[str] = arg(
         help="more Reward runs whose judges also score every reply, each reported under its run name; a judge "
              "that trained on any scored premise is refused (held-out judges: docs/results.md)", factory=list)

@@ -31,7 +31,7 @@ log = logging.getLogger("pipeline")
 
 # Which stage an input run must come from, by the name of its command-line field.
 INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Reward",),
-                "policy_runs": ("GRPO", "DPO", "ORPO"), "judge_runs": ("Reward",), "crossfit_judge_runs": ("Reward",),
+                "policy_runs": ("GRPO", "DPO", "ORPO", "SFT"), "judge_runs": ("Reward",), "crossfit_judge_runs": ("Reward",),
                 "ensemble_of": ("Reward",), "replies_from": ("Eval",), "hard_negatives": ("Eval",),
                 "targets_from": ("Eval",), "rating_run": ("Reward",), "rating_dev_run": ("Eval",)}
 # Inputs that may descend from another pairs run (same task, same base): 05's other judges, e.g. one

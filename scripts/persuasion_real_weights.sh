@@ -5,9 +5,9 @@
 #      dev_later is the training judge; its recipe then trains the held-out judges: a 2-fold cross-fit
 #      on the test posts (with dev and dev_later), and one on the dev posts
 #   -> the decoding chosen on the dev premises (base and SFT, the training judge; DECODINGS below)
-#   -> practice: GRPO recipes from SFT (GRPO_RECIPES below) and one from the base, DPO and ORPO
+#   -> practice: GRPO recipes from SFT (GRPO_RECIPES below) and one from the base, DPO, ORPO and RAFT
 #   -> 05 on every test premise: base, SFT, best_of_n, each GRPO recipe (the one whose own reward rose
-#      most first, as `grpo`), grpo_from_base, DPO, ORPO, under the training judge and both held-out ones
+#      most first, as `grpo`), grpo_from_base, DPO, ORPO, RAFT, under the training judge and the held-out ones
 #   -> the summary (scripts/persuasion_real_weights.py): SUMMARY_DIR/persuasion_real_weights.json and
 #      persuasion_grpo_rewards.png.
 # Held-out judges (posts the policy never saw: dev and the test folds): the cross-fit and the dev judge in
@@ -117,7 +117,21 @@ done
   --pairs_run "$pairs" --reward_run "$judge" --learning_rate 1e-4 $GRPO_ARGS --run_name GRPO_from_base_lr1e-4
 background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --run_name DPO
 background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo --run_name ORPO
+# RAFT, the cheap alternative (common/raft.py): SFT's best of BEST_OF_N samples on MAX_PREMISES train premises,
+# picked by the training judge among those that pass the fluency gate, then SFT on the picks. RAFT=0 skips it.
+fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
+if [[ ${RAFT:-1} == 1 ]]; then
+  # shellcheck disable=SC2086
+  background raft_targets 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
+    --split train --evaluate_base false --best_of_n "$BEST_OF_N" --best_of_n_scorer "run:$judge" "${fluency[@]}" \
+    --max_premises "$MAX_PREMISES" $decoding --run_name RAFT_Targets
+fi
 wait_for_all --allow_failures
+if [[ -s "$LOGS/raft_targets.dir" ]]; then
+  background raft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" \
+    --targets_from "$(cat "$LOGS/raft_targets.dir")" --run_name RAFT
+  wait_for_all --allow_failures
+fi
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done
 (( ${#recipes[@]} )) || { echo "error: no GRPO recipe finished (failed: ${FAILED[*]:-none};" \
@@ -125,12 +139,11 @@ recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
 rising=$("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
 mapfile -t grpo <<<"$rising"
 policies=("${grpo[@]}")
-for name in grpo_from_base dpo orpo; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
+for name in grpo_from_base dpo orpo raft; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
 # 4. Every test premise, every model, every judge; the summary.
 crossfit=(); [[ ${CROSSFIT:-1} == 1 ]] && crossfit=(--crossfit_judge_runs "$(cat "$LOGS/crossfit0.dir")" "$(cat "$LOGS/crossfit1.dir")")
 judges=(); for name in "${heldout[@]}"; do judges+=("$(cat "$LOGS/$name.dir")"); done
-fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
   --judge_runs "${judges[@]}" "${fluency[@]}" "${crossfit[@]}" \

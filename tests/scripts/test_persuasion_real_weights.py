@@ -27,7 +27,7 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     assert "run_dir: " in text.split("training judge (best on dev_later)")[0] and "finished in" in text
     summary = json.loads((tmp_path / "summary" / "persuasion_real_weights.json").read_text())
     models = list(summary["models"])
-    assert models[:3] == ["base", "sft", "grpo"] and {"grpo_from_base", "dpo", "orpo", "best_of_n"} <= set(models)
+    assert models[:3] == ["base", "sft", "grpo"] and {"grpo_from_base", "dpo", "orpo", "raft", "best_of_n"} <= set(models)
     judges = summary["judges"]
     training = next(j for j in judges.values() if j["role"] == "training")
     held_out = [j for j in judges.values() if j["role"] == "held_out"]
