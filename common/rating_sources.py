@@ -12,6 +12,7 @@ of its MAE to the constant's on the same papers, with its interval.
 The blend is a least-squares line through the model's rating (parsed where written, read out elsewhere)
 and the rating model's, with an intercept, fitted on the DEV papers of an Eval run on the dev split
 (`--rating_dev_run`) and only then applied to the scored papers: the scored papers never enter the fit.
+A source that hardly varies on the dev papers is left out of it (MIN_SPREAD; `flat` in the blend says so).
 """
 from __future__ import annotations
 
@@ -45,18 +46,27 @@ def source_metrics(pred, gold, constant: float, seed: int, n_boot: int = 1000) -
     return out
 
 
+# A source whose ratings of the dev papers spread less than this (sd, rating points) is left out of the
+# blend: least squares gives a near-constant feature a huge, unstable weight (a rating model with a dev sd
+# of 0.02 got -6.2 and made the blend worse than either source on the test papers).
+MIN_SPREAD = 0.1
+
+
 def fit_blend(features: dict[str, list], gold: list) -> dict:
     """Least squares gold ~ intercept + sum_k w_k * feature_k on the rows where every feature and the gold
-    are present. Returns {"intercept", "weights": {feature: w}, "n_fit", "n_left_out"}."""
+    are present, leaving out a feature whose spread there is under MIN_SPREAD. Returns {"intercept",
+    "weights": {feature: w}, "n_fit", "n_left_out", "flat": {feature left out: its sd}}."""
     names = list(features)
     rows = [i for i in range(len(gold)) if gold[i] is not None and all(features[k][i] is not None for k in names)]
     if len(rows) < len(names) + 1:
         raise RunError(f"the blend has {len(names) + 1} weights but only {len(rows)} dev papers with every rating "
                        f"({', '.join(names)}): give a dev run of more papers")
-    X = np.array([[1.0] + [features[k][i] for k in names] for i in rows])
+    spread = {k: float(np.std([features[k][i] for i in rows])) for k in names}
+    kept = [k for k in names if spread[k] >= MIN_SPREAD]
+    X = np.array([[1.0] + [features[k][i] for k in kept] for i in rows])
     coef, *_ = np.linalg.lstsq(X, np.array([gold[i] for i in rows], float), rcond=None)
-    return {"intercept": float(coef[0]), "weights": dict(zip(names, map(float, coef[1:]))), "n_fit": len(rows),
-            "n_left_out": len(gold) - len(rows)}
+    return {"intercept": float(coef[0]), "weights": dict(zip(kept, map(float, coef[1:]))), "n_fit": len(rows),
+            "n_left_out": len(gold) - len(rows), "flat": {k: spread[k] for k in names if k not in kept}}
 
 
 def apply_blend(blend: dict, features: dict[str, list], scale: tuple[float, float] = (1, 6)) -> list:

@@ -132,6 +132,18 @@ def test_the_blend_is_least_squares_on_dev_and_never_sees_the_scored_papers():
     assert apply_blend(b, {"sft_rating": [4, 3.3], "rating_model": [4.1, 3.0]}) == pytest.approx(expected.tolist())
 
 
+def test_a_source_that_hardly_varies_on_dev_is_left_out_of_the_blend():
+    rng = np.random.default_rng(0)
+    gold = rng.uniform(2, 5, 40)
+    readout = gold + rng.normal(0, 0.5, 40)
+    flat = 4.2 + rng.normal(0, 0.02, 40)  # a rating model that says the mean to every paper
+    fitted = fit_blend({"readout": list(readout), "model": list(flat)}, list(gold))
+    alone = fit_blend({"readout": list(readout)}, list(gold))
+    assert set(fitted["weights"]) == {"readout"} and fitted["flat"] == {"model": pytest.approx(np.std(flat))}
+    assert fitted["weights"]["readout"] == pytest.approx(alone["weights"]["readout"])
+    assert fitted["intercept"] == pytest.approx(alone["intercept"]) and alone["flat"] == {}
+
+
 def test_a_blend_with_fewer_dev_papers_than_weights_is_refused():
     from common.runs import RunError
     with pytest.raises(RunError, match="3 weights but only 1 dev papers"):
