@@ -78,7 +78,7 @@ def main(config: EvalConfig, overrides: dict) -> None:
     tokenizer = load_tokenizer(config)
     premises = held_out_premises(config, task, run)
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
-    log.info("evaluating %s on %d premises", ["base", *adapters], len(premises))
+    log.info("evaluating %s on %d premises", ["base"] * config.evaluate_base + [*adapters], len(premises))
 
     # 2b. The judges, before anything is generated: none may have trained on a scored premise; a judge
     #     that also shares no post with the policy's train split is held out; a cross-fit is one more
