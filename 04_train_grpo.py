@@ -91,7 +91,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     policy = load_model(config, CAUSAL_LM, adapter=Path(config.sft_run) / "adapter" if config.sft_run else None,
                         trainable=True)
     #    The reward: the declared terms (the reward run's judge, as its config and `judge` fingerprint
-    #    rebuild it; PAR and fluency against the starting policy's greedy replies, made once and kept in
+    #    rebuild it; PAR and fluency against the starting policy's replies, sampled as the rollouts are, kept in
     #    reference_replies.jsonl), plus the watch's statistics at weight 0 (reply length, distinct-2,
     #    premise overlap: TRL logs each one's mean).
     reward_funcs, reward_weights, judge = reward_terms.build(config, run, policy, tokenizer, list(prompts["prompt"]))

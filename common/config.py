@@ -518,7 +518,7 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     reward_funcs: list[str] = arg(
         help="GRPO's reward terms, summed with reward_weights (TRL's reward_funcs; each logged as rewards/<name>/mean "
         "and in metrics.json per_step): judge (the --reward_run's raw score), par (sigmoid of the judge's score minus "
-        "its score of the starting policy's greedy reply to the same premise), fluency (fluency_mode), or any scorer "
+        "its score of the starting policy's reply to the same premise, sampled as the rollouts are), fluency (fluency_mode), or any scorer "
         "spec: run:PATH, fluency:PATH, pkg.module:function (common/reward_terms.py)", factory=lambda: ["judge"])
     reward_weights: list[float] = arg(help="one weight per reward_funcs entry", factory=lambda: [1.0])
     fluency_model_name_or_path: str | None = arg(

@@ -56,8 +56,11 @@ class FluencyScorer:
             width = max(len(encoded[i]) for i in rows)
             ids = torch.tensor([encoded[i] + [pad] * (width - len(encoded[i])) for i in rows], device=device)
             mask = torch.tensor([[1] * len(encoded[i]) + [0] * (width - len(encoded[i])) for i in rows], device=device)
-            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            token_lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            # one row at a time in fp32: a batch of 32 over Gemma's 262k-token vocabulary in fp32 is 8 GiB,
+            # twice (the logits and their log-softmax), and ran out of memory beside other stages
+            token_lp = torch.stack([torch.log_softmax(row.float(), -1).gather(-1, targets[:, None])[:, 0]
+                                    for row, targets in zip(logits, ids[:, 1:])])
             kept = mask[:, 1:].float()
             for i, value in zip(rows, ((token_lp * kept).sum(1) / kept.sum(1)).tolist()):
                 out[i] = value

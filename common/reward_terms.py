@@ -6,8 +6,9 @@ salad, docs/results.md). The terms that guard against it:
 
 - `judge`: the --reward_run's raw score (the default, alone: the reward as it always was).
 - `par`: Preference As Reward (Fu et al. 2025, "Reward shaping to mitigate reward hacking in RLHF"):
-  sigmoid(r(reply) - r(reference reply)), r the judge, the reference the starting policy's greedy reply
-  to the same premise. Bounded in (0, 1), flat once a reply clearly beats the reference, so a judge's
+  sigmoid(r(reply) - r(reference reply)), r the judge, the reference the starting policy's reply to the
+  same premise, sampled as the rollouts are (greedy replies loop and read as more fluent than any sample:
+  a gate measured against them shut every rollout out, docs/results.md). Bounded in (0, 1), flat once a reply clearly beats the reference, so a judge's
   runaway scores stop paying.
 - `fluency`: the reply's mean token log-prob under a frozen LM of another family
   (`common.fluency.FluencyScorer`), as a penalty below the reference replies' mean (`min(0, lp - ref)`,
@@ -175,7 +176,9 @@ def gate_value(reward_sum: float, lp: float, threshold: float, gate_reward: floa
 # --- the reference replies (PAR's and the fluency term's) -------------------------------------------
 
 def reference_replies(config, run, policy, tokenizer, prompts: list[list[dict]]) -> dict[str, str]:
-    """The starting policy's greedy reply to each train premise, written once to the run directory
+    """The starting policy's reply to each train premise, sampled at the rollouts' temperature from the run's
+    seed (the distribution the rollouts come from, so that PAR and the fluency gate compare like with like),
+    written once to the run directory
     (reference_replies.jsonl, an artifact; its sha256 in the manifest). A resumed run reads them back and
     refuses a file that changed or answers other premises."""
     from common import provenance
@@ -196,14 +199,15 @@ def reference_replies(config, run, policy, tokenizer, prompts: list[list[dict]])
         return {json.dumps(r["prompt"]): r["reply"] for r in rows}
     from common.generation import generate_replies
     replies = generate_replies(policy, tokenizer, prompts, config.max_completion_length, config.rollout_batch_size,
-                               temperature=0.0, weights=config.rollout_weights,
+                               temperature=config.temperature, seed=config.seed, weights=config.rollout_weights,
                                static=config.fast_paths and config.rollout_backend == "static")
     policy.train()
     if getattr(run, "is_main", True):  # every process of a launch generates the same greedy replies; one writes
         write_jsonl(path, [{"prompt": p, "reply": r} for p, r in zip(prompts, replies)])
         run.manifest["reference_replies_sha256"] = provenance.sha256_file(path)
         run.save_manifest()
-    log.info("reference replies: the starting policy's greedy reply to %d premises -> %s", len(replies), path)
+    log.info("reference replies: the starting policy's reply to %d premises (temperature %g) -> %s", len(replies),
+             config.temperature, path)
     return {json.dumps(p): r for p, r in zip(prompts, replies)}
 
 
