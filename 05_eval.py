@@ -193,7 +193,9 @@ def score_all(config: EvalConfig, run: Run, task, premises: list[dict], prompts:
     SFT, plain and length-controlled (common/eval_scoring.py)."""
     scores = Scores()
     if config.fluency_model_name_or_path:
-        scores.log_probs, scores.candidate_lps = fluency_scores(config, run, prompts, made.replies, made.candidates)
+        human = [(task.references(row) or [""])[0] for row in premises]  # the first real reply: CMV's winner
+        scores.log_probs, scores.candidate_lps = fluency_scores(config, run, prompts, made.replies, made.candidates,
+                                                                human)
     if made.candidates:
         made.replies["best_of_n"], scores.candidate_scores, scores.passed = best_of_n.pick(
             config, run.manifest, prompts, made.candidates, scores.log_probs, scores.candidate_lps)

@@ -55,7 +55,8 @@ def headline(config, manifest: dict, results: dict, judges: dict, fluency_measur
     return verdict_lines(results, judges, {n: r["verdict"] for n, r in results.items() if "verdict" in r}) + \
         family_lines(judges) + (fluency_model_line(manifest.get("fluency", {}).get("fluency_family"),
                                                    model_family(config.model_name_or_path),
-                                                   config.fluency_model_name_or_path)
+                                                   config.fluency_model_name_or_path,
+                                                   manifest.get("fluency", {}).get("human_replies"))
                                 if judges or fluency_measured else [])
 
 

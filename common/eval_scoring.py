@@ -45,13 +45,16 @@ def judge_panel(config, run, premises: list[dict], prompts: list[list[dict]]) ->
     return panel
 
 
-def fluency_scores(config, run, prompts, replies: dict, candidates) -> tuple[dict, list | None]:
+def fluency_scores(config, run, prompts, replies: dict, candidates, human: list[str]) -> tuple[dict, list | None]:
     """Each reply's mean token log-probability under the frozen fluency model, by model, and best-of-n's
-    candidates' (the fluency model's backends and family go into the manifest)."""
+    candidates' (the fluency model's backends and family go into the manifest, with the figures of the
+    `human` replies to the same premises: the yardstick a model's perplexity is read against)."""
     fluency = load_scorer(f"fluency:{resolve_model_path(config.fluency_model_name_or_path)}",
                           batch_size=config.batch_size)
-    run.manifest["fluency"] = {**fluency.backends, "policy_family": model_family(config.model_name_or_path)}
     log_probs = {name: fluency.score(prompts, texts) for name, texts in replies.items()}
+    yardstick = fluency_figures({**log_probs, "human": fluency.score(prompts, human)})["human"]
+    run.manifest["fluency"] = {**fluency.backends, "policy_family": model_family(config.model_name_or_path),
+                               "human_replies": yardstick}
     if not candidates:
         return log_probs, None
     flat = fluency.score([p for p, c in zip(prompts, candidates) for _ in c], [t for c in candidates for t in c])

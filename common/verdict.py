@@ -169,12 +169,19 @@ def family_lines(judges: dict) -> list[str]:
     return []
 
 
-def fluency_model_line(fluency_family: str | None, policy_family: str, path: str | None) -> list[str]:
-    """What the fluency check was, and a warning when its model is of the policy's family."""
+def fluency_model_line(fluency_family: str | None, policy_family: str, path: str | None,
+                       human: dict | None = None) -> list[str]:
+    """What the fluency check was, the real replies' figures beside it (`human`: fluency_figures of the
+    human replies to the same premises), and a warning when its model is of the policy's family."""
     if not path:
         return ["Fluency was not checked (no fluency_model_name_or_path): no gain can hold."]
     line = (f"Fluency: each reply's mean token log-probability under the frozen `{path}` ({fluency_family}); "
             f"perplexity = exp(-mean), perplexity vs SFT = its ratio to SFT's (to the base's without SFT).")
+    if human and human.get("n_fluency_scored"):
+        # a yardstick, not a limit: a writer of real replies' fluency can sit well above greedy decoding's
+        line += (f" The real replies to the same premises: perplexity {human['perplexity']:.1f}, "
+                 f"{human['perplexity_vs_sft']:.2f}x SFT's." if human.get("perplexity_vs_sft") else
+                 f" The real replies to the same premises: perplexity {human['perplexity']:.1f}.")
     if fluency_family == policy_family:
         line += (f" **The fluency model is of the policy's family ({policy_family})**: it may find the policy's "
                  f"own habits fluent; a model of another family is the stricter check.")

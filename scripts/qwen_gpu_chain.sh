@@ -36,11 +36,15 @@ built=$(( $(date +%s) - t0 ))
 ( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done ) > "$LOGS/gpu_memory.txt" &
 sampler=$!
 t1=$(date +%s)
+# a practice stage that failed fails the chain, but what was evaluated is still measured below
+rc=0
 RECIPE=configs/qwen-gpu PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml SUMMARY_DIR=$RUNS_DIR LOGS=$LOGS \
-  bash scripts/persuasion_real_weights.sh > "$LOGS/chain.out" 2> "$LOGS/chain.err"
+  bash scripts/persuasion_real_weights.sh > "$LOGS/chain.out" 2> "$LOGS/chain.err" || rc=$?
 chain=$(( $(date +%s) - t1 ))
 kill "$sampler"
-evalrun=$(grep -o 'eval [^ ]*Eval_Run[0-9]*' "$LOGS/chain.out" | tail -1 | cut -d' ' -f2)
+evalrun=$(grep -o 'run_dir: [^ ]*_Eval_Run[0-9]*' "$LOGS/chain.err" "$LOGS/chain.out" | tail -1 | sed 's/.*run_dir: //')
+[[ -n $evalrun && -f $evalrun/DONE ]] || { echo "error: the persuasion chain evaluated nothing (rc $rc; $LOGS/chain.err)" >&2; exit 1; }
+failed=$(grep -o 'stage(s) failed: .*' "$LOGS/chain.err" | tail -1 | cut -d' ' -f3- || true)
 pairs=$("$PY" -c "import json,sys; print(json.load(open('$evalrun/manifest.json'))['pairs_run'])")
 decoding=$("$PY" -c "
 import json; d = json.load(open('$evalrun/manifest.json'))['decoding']
@@ -51,16 +55,18 @@ for w in "qwen:$evalrun" "smol:$smol"; do
   "$PY" scripts/reply_fluency.py "${w#*:}/replies.jsonl" .cache/models/gemma-3-270m --premises 1000 \
     --models base > "$LOGS/fluency_${w%%:*}.json"
 done
-"$PY" - "$RUNS_DIR/qwen_gpu_chain.json" "$evalrun" "$smol" "$LOGS" "$built" "$chain" <<'PY'
+"$PY" - "$RUNS_DIR/qwen_gpu_chain.json" "$evalrun" "$smol" "$LOGS" "$built" "$chain" "$rc" "$failed" <<'PY'
 import json, sys
-out, evalrun, smol, logs, built, chain = sys.argv[1:]
+out, evalrun, smol, logs, built, chain, rc, failed = sys.argv[1:]
 def speed(run):  # each model's generate speed, as 05 measured it
     return {m: r["generation"] for m, r in json.load(open(f"{run}/eval.json")).items()
             if isinstance(r, dict) and "generation" in r}
 peak = max((int(x) for x in open(f"{logs}/gpu_memory.txt").read().split() if x.isdigit()), default=None)
-json.dump({"models_built_s": int(built), "chain_s": int(chain), "peak_gpu_memory_mib": peak, "eval_run": evalrun,
+json.dump({"models_built_s": int(built), "chain_s": int(chain), "chain_rc": int(rc), "failed_stages": failed,
+           "peak_gpu_memory_mib": peak, "eval_run": evalrun,
            "generation_speed": {"qwen": speed(evalrun), "smol": speed(smol)},
            "base_reply_fluency_under_gemma": {w: json.load(open(f"{logs}/fluency_{w}.json"))["models"]["base"]
                                               for w in ("qwen", "smol")}}, open(out, "w"), indent=2)
 print(open(out).read())
 PY
+exit "$rc"

@@ -159,7 +159,14 @@ def test_replies_read_back_get_fluency_figures_and_a_verdict(cmv, tiny_model):
     assert "| perplexity | perplexity vs SFT |" in report and "**sft** vs base: rejected: " in report
     assert "The fluency model is of the policy's family (llama)" in report
     assert "Every held-out judge is of the training judge's family (llama)" in report
-    assert json.loads((run / "manifest.json").read_text())["fluency"]["fluency_family"] == "llama"
+    fluency = json.loads((run / "manifest.json").read_text())["fluency"]
+    assert fluency["fluency_family"] == "llama"
+    # the real replies to the same premises, scored alike: the yardstick beside the models' perplexity
+    human = fluency["human_replies"]
+    assert human["n_fluency_scored"] == len(replies)
+    assert human["perplexity_vs_sft"] == pytest.approx(human["perplexity"] / results["sft"]["perplexity"])
+    assert f"The real replies to the same premises: perplexity {human['perplexity']:.1f}, " \
+           f"{human['perplexity_vs_sft']:.2f}x SFT's." in report
 
 
 # --- the overlap check compares what a reader sees, not bytes --------------------------------------

@@ -106,6 +106,27 @@ def test_a_reward_added_as_a_function_and_two_yaml_lines_drives_grpo(grpo_with_t
     assert rows and manifest["reference_replies_sha256"] and "reference_replies.jsonl" in manifest["artifacts"]
 
 
+def test_reference_replies_are_sampled_as_the_rollouts_are(tiny_model, tmp_path):
+    """PAR's and the fluency gate's reference: the starting policy's reply sampled at the rollouts'
+    temperature from the run's seed, not its greedy reply (greedy replies loop and read as more fluent than
+    any sample: a gate measured against them shut every rollout out)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.generation import generate_replies
+    from common.reward_terms import reference_replies
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [[{"role": "user", "content": "Tell me why the sky is blue."}], [{"role": "user", "content": "Why?"}]]
+    config = SimpleNamespace(max_completion_length=12, rollout_batch_size=2, temperature=1.0, seed=3,
+                             rollout_weights="nf4", fast_paths=False, rollout_backend="static")
+    run = SimpleNamespace(dir=tmp_path, manifest={}, save_manifest=lambda: None)
+    got = list(reference_replies(config, run, model, tokenizer, prompts).values())
+    sampled = generate_replies(model, tokenizer, prompts, 12, 2, temperature=1.0, seed=3, static=False)
+    greedy = generate_replies(model, tokenizer, prompts, 12, 2, temperature=0.0, static=False)
+    assert got == sampled and got != greedy
+
+
 def test_a_resumed_run_refuses_changed_reference_replies(tmp_path):
     from types import SimpleNamespace
 
