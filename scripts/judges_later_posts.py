@@ -15,8 +15,9 @@ is any but a stage-03 ensemble (judge_backbone ensemble), which `best` and `best
 
 `best`, the judge a policy trains against, is the best on dev_later among the judges that pass the
 gibberish audit on dev_later (every corruption kind's share >= its target; common/corruptions.py): a
-judge a policy can fool with salad is the reward hack waiting to happen. When none passes, the best on
-dev_later, with a warning. `families` lists, for each family but NAME's, its best single judge on
+judge a policy can fool with salad is the reward hack waiting to happen. When none passes, the one whose
+weakest corruption kind holds best among the judges level with the best on dev_later (the paired 95%
+interval of their accuracy difference reaches 0), with a warning. `families` lists, for each family but NAME's, its best single judge on
 dev_later, best first: the held-out judges of other families are trained in those recipes.
 
 `levers` (also OUT_DIR/judges_later_posts.md) is one table on dev_later of what each lever added, from
@@ -94,14 +95,33 @@ def best2(items: list[str], k: int = 2) -> list[Path]:
     return [run for _, run in ranked(items) if not is_ensemble(run)][:k]
 
 
+def level_with(run: Path, top: Path) -> bool:
+    """Is `run`'s dev_later accuracy not shown below `top`'s: the paired 95% interval of the difference on the
+    pairs both judged reaches 0? Without per-pair scores nothing is shown either way: not level."""
+    a, b = correct_on(run), correct_on(top)
+    ids = sorted(set(a) & set(b))
+    return bool(ids) and bootstrap_ci(np.array([a[i] - b[i] for i in ids]))[1] >= 0
+
+
 def best(items: list[str]) -> tuple[str, Path]:
+    """The training judge (module docstring): the best on dev_later among those that pass the gibberish audit;
+    when none passes, the one that resists gibberish best (its weakest kind's share on dev_later) among those
+    level with the best on dev_later, so that a policy practises against the hardest judge to fool that is not
+    shown to rank worse."""
     singles = [(n, r) for n, r in ranked(items) if not is_ensemble(r)]
     from common.corruptions import TARGET
     passing = [(n, r) for n, r in singles if (gibberish_on_dev_later(r) or 0.0) >= TARGET]
-    if not passing:
-        print(f"warning: no judge passes the gibberish audit on dev_later (every kind >= {TARGET:.0%}); the best on "
-              f"dev_later ({singles[0][0]}) is taken anyway", file=sys.stderr)
-    return (passing or singles)[0]
+    if passing:
+        return passing[0]
+    top = singles[0]
+    level = [top] + [(n, r) for n, r in singles[1:] if level_with(r, top[1])]
+    taken = max(level, key=lambda item: gibberish_on_dev_later(item[1]) or 0.0)  # ties: the better on dev_later
+    shares = {n: gibberish_on_dev_later(r) for n, r in level}
+    print(f"warning: no judge passes the gibberish audit on dev_later (every kind >= {TARGET:.0%}); among the judges "
+          f"level with the best on dev_later ({top[0]}: " + ", ".join(
+              f"{n} {'n/a' if s is None else f'{s:.2f}'}" for n, s in shares.items()) +
+          f", the weakest kind's share), {taken[0]} resists it best and is taken", file=sys.stderr)
+    return taken
 
 
 def families(items: list[str], not_of: str) -> list[tuple[str, Path, str]]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Persuasion on real weights, end to end (docs/results.md, "Real weights: persuasion"):
 #   01 (split by period: dev_later and test = the later posts)
-#   -> SFT on the winners, beside the judge candidates (scripts/judges_later_posts.sh): the best on
-#      dev_later is the training judge; its recipe then trains the held-out judges: a 2-fold cross-fit
+#   -> SFT on the winners, beside the judge candidates (scripts/judges_later_posts.sh): the one chosen on
+#      dev_later is the training judge (`best` there); its recipe then trains the held-out judges: a 2-fold cross-fit
 #      on the test posts (with dev and dev_later), and one on the dev posts
 #   -> the decoding chosen on the dev premises (base and SFT, the training judge; DECODINGS below)
 #   -> practice: GRPO recipes from SFT (GRPO_RECIPES below) and one from the base, DPO, ORPO and RAFT
@@ -55,14 +55,15 @@ declare -A GRPO_RECIPES=(
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
   --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
 
-# 1. Pairs; SFT in the background while the judge candidates train and the best on dev_later is picked.
+# 1. Pairs; SFT in the background while the judge candidates train and the training judge is picked on dev_later
+#    (the best of those that pass the gibberish audit, else the hardest to fool of those level with the best).
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
 # shellcheck disable=SC2086
 [[ -n ${SFT_RUN:-} ]] || background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" --run_name SFT ${SFT_ARGS:-}
 best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \
   || { echo "error: scripts/judges_later_posts.sh failed (logs in $LOGS/judges)" >&2; exit 1; }
 read -r _ judge_name judge <<<"$best"
-echo "training judge (best on dev_later): $judge_name $judge" >&2
+echo "training judge (chosen on dev_later): $judge_name $judge" >&2
 singles=(); for dir in "$LOGS"/judges/*.dir; do
   name=$(basename "$dir" .dir); [[ $name == ensemble_* ]] || singles+=("$name=$(cat "$dir")"); done
 mapfile -t others < <("$PY" scripts/judges_later_posts.py families --not "$judge_name" "${singles[@]}" | head -n "$OTHER_FAMILIES")

@@ -75,3 +75,38 @@ def test_judge_ensemble_takes_feature_judges(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "ensemble.json").read_text())
     assert out["runs"] == ["Features_1", "Features_2"] and 0 <= out["test"]["ensemble"]["accuracy"] <= 1
+
+
+def _audited_judge(path: Path, right: list[bool], weakest_kind_share: float) -> str:
+    """A judge run as `best` reads it: per-pair dev_later scores (`right`: the winner scored higher) and the
+    gibberish audit's shares on dev_later."""
+    _judge_dir(path, sum(right) / len(right))
+    audit = json.loads((path / "judge_audit.json").read_text())
+    audit["corruption"] = {"kinds": {"salad": {"by_split": {"dev_later": {"share": weakest_kind_share}}},
+                                     "shuffle": {"by_split": {"dev_later": {"share": 1.0}}}}}
+    (path / "judge_audit.json").write_text(json.dumps(audit))
+    (path / "dev_later_scores.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "chosen_score": 1.0 if ok else 0.0, "rejected_score": 0.5}) + "\n"
+        for i, ok in enumerate(right)))
+    return f"{path.name}={path}"
+
+
+def test_without_a_judge_that_passes_the_audit_the_hardest_to_fool_of_those_level_with_the_best_is_taken(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from judges_later_posts import best
+    n = 60
+    top = [i % 5 != 0 for i in range(n)]  # 0.80
+    level = [i % 5 != 0 and i != 1 and i != 2 for i in range(n)]  # 0.77: not shown below the best
+    worse = [i % 3 == 0 for i in range(n)]  # 0.33: shown below it
+    items = [_audited_judge(tmp_path / "top", top, 0.10), _audited_judge(tmp_path / "level", level, 0.60),
+             _audited_judge(tmp_path / "worse", worse, 0.95)]
+    assert best(items)[0] == "level"
+    # a judge that passes the audit is taken before any that does not, however well the others rank
+    items.append(_audited_judge(tmp_path / "passes", worse, 0.99))
+    assert best(items)[0] == "passes"
+    # without per-pair scores no judge is shown level with the best: the best is taken
+    for name in ("level", "worse", "passes"):
+        (tmp_path / name / "dev_later_scores.jsonl").unlink()
+    (tmp_path / "passes" / "judge_audit.json").write_text(
+        (tmp_path / "passes" / "judge_audit.json").read_text().replace("0.99", "0.5"))
+    assert best(items)[0] == "top"

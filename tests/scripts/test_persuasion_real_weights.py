@@ -24,7 +24,7 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     text = (tmp_path / "chain.log").read_text()
     assert proc.returncode == 0, text[-4000:]
     # every stage's lines are in the log, not only the last one's
-    assert "run_dir: " in text.split("training judge (best on dev_later)")[0] and "finished in" in text
+    assert "run_dir: " in text.split("training judge (chosen on dev_later)")[0] and "finished in" in text
     summary = json.loads((tmp_path / "summary" / "persuasion_real_weights.json").read_text())
     models = list(summary["models"])
     assert models[:3] == ["base", "sft", "grpo"] and {"grpo_from_base", "dpo", "orpo", "raft", "best_of_n"} <= set(models)
