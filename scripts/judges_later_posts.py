@@ -4,6 +4,7 @@
     python scripts/judges_later_posts.py best NAME=REWARD_RUN ...      # prints `best: NAME RUN`
     python scripts/judges_later_posts.py families --not NAME NAME=REWARD_RUN ...  # `NAME RUN FAMILY` a line
     python scripts/judges_later_posts.py summary OUT_DIR NAME=REWARD_RUN ... --ensemble ENSEMBLE_JSON
+    python scripts/judges_later_posts.py add_lever OUT_DIR LEVER NAME=REWARD_RUN AGAINST=REWARD_RUN  # a later row
 
 Every choice is made on dev_later (later posts that are not the test), never on test. `summary` writes
 OUT_DIR/judges_later_posts.json: for each judge (and the ensemble of scripts/judge_ensemble.py), its
@@ -25,6 +26,9 @@ the judges' per-pair dev_later scores (<run>/dev_later_scores.jsonl), with paire
 each single judge without a `+` in its name (a family or recipe, the feature judge among them) against
 the reference (`minilm_pairwise`, else the first judge); `NAME+LEVER` (corruptions, hard negatives, ...)
 against NAME; a stage-03 ensemble against the best of its members. Test is shown, never chosen on.
+`add_lever` adds one judge trained after the summary (the judge's second round on a policy's replies,
+scripts/persuasion_real_weights.sh) and its row against the judge it hardens; the training judge stays
+the one the summary chose.
 """
 from __future__ import annotations
 
@@ -200,6 +204,14 @@ def levers_markdown(table: list[dict], reference_note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_levers(out_dir: Path, out: dict) -> None:
+    """OUT_DIR/judges_later_posts.md: the levers table of the summary `out`."""
+    (Path(out_dir) / "judges_later_posts.md").write_text(levers_markdown(
+        out["levers"], "Each row: the judge against the one it adds a lever to (paired on the same pairs). "
+                       "Baselines on dev_later: bag-of-words " f"{out['baselines']['bag_of_words']['dev_later']:.1%}, "
+                       f"length-only {out['baselines']['length_only']['dev_later']:.1%}."))
+
+
 def summary(out_dir: Path, items: list[str], ensemble: Path | None, failed: list[str] = ()) -> dict:
     judges = {name: judge_row(run) for name, run in _named(items).items()}
     default = best(items)[0]  # the training judge: `best` below
@@ -222,11 +234,23 @@ def summary(out_dir: Path, items: list[str], ensemble: Path | None, failed: list
     out["targets"] = {"default_test_interval_above_bag_of_words": test["accuracy_ci95"][0] > test["bag_of_words"],
                       "default_test_mean_at_least_0.65": test["accuracy"] >= 0.65}
     out["levers"] = levers(items, judges)
-    (Path(out_dir) / "judges_later_posts.md").write_text(levers_markdown(
-        out["levers"], "Each row: the judge against the one it adds a lever to (paired on the same pairs). "
-                       "Baselines on dev_later: bag-of-words " f"{out['baselines']['bag_of_words']['dev_later']:.1%}, "
-                       f"length-only {out['baselines']['length_only']['dev_later']:.1%}."))
+    write_levers(out_dir, out)
     write_json(Path(out_dir) / "judges_later_posts.json", out)
+    return out
+
+
+def add_lever(out_dir: Path, lever: str, item: str, against: str) -> dict:
+    """One more judge and its lever row in OUT_DIR/judges_later_posts.json and .md (module docstring)."""
+    path = Path(out_dir) / "judges_later_posts.json"
+    out = read_json(path)
+    runs = _named([item, against])
+    (name, run), (plain, _) = runs.items()
+    row = judge_row(run)
+    out["judges"][name] = {**row, "meets_target_on_later_posts": meets_target(row)}
+    rows = {n: out["judges"][n] for n in runs}
+    out["levers"] = [r for r in out["levers"] if r["judge"] != name] + [lever_row(lever, name, plain, runs, rows)]
+    write_levers(out_dir, out)
+    write_json(path, out)
     return out
 
 
@@ -246,6 +270,11 @@ def main(argv=None) -> None:
     summ.add_argument("judges", nargs="+", metavar="NAME=REWARD_RUN")
     summ.add_argument("--ensemble", type=Path)
     summ.add_argument("--failed", nargs="*", default=[], metavar="NAME", help="candidates that did not finish")
+    more = sub.add_parser("add_lever")
+    more.add_argument("out_dir", type=Path)
+    more.add_argument("lever")
+    more.add_argument("judge", metavar="NAME=REWARD_RUN")
+    more.add_argument("against", metavar="NAME=REWARD_RUN")
     args = parser.parse_args(argv)
     if args.command == "best2":
         print("\n".join(map(str, best2(args.judges, args.k))))
@@ -254,6 +283,8 @@ def main(argv=None) -> None:
         print(f"best: {name} {run}")
     elif args.command == "families":
         print("\n".join(f"{name} {run} {fam}" for name, run, fam in families(args.judges, args.not_of)))
+    elif args.command == "add_lever":
+        add_lever(args.out_dir, args.lever, args.judge, args.against)
     else:
         summary(args.out_dir, args.judges, args.ensemble, args.failed)
 

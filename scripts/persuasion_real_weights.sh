@@ -20,6 +20,7 @@
 # earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; CROSSFIT=0 the cross-fit. SFT_RUN: a
 # finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
 # on from a chain that stopped: every finished stage is taken as it is. MAX_JOBS: stages at once.
+# HARD_NEGATIVES=1: the training judge's second round on the practised policy's replies (step 3b).
 # RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny; configs/qwen-gpu with
 # MAX_PREMISES=100 and PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml: Qwen2.5-Coder-1.5B); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
@@ -142,6 +143,29 @@ mapfile -t grpo <<<"$rising"
 policies=("${grpo[@]}")
 for name in grpo_from_base dpo orpo raft; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
+# 3b. The judge's second round (HARD_NEGATIVES=1): the GRPO policy whose reward rose most answers MAX_PREMISES
+#     train premises; its replies become losers against the real winners of those posts in the training judge's
+#     recipe (03 --hard_negatives), beside the eval below; the levers table gets its row. A feature judge or an
+#     ensemble trains on no such pairs: the step says so and is skipped.
+hardened=""
+if [[ ${HARD_NEGATIVES:-0} == 1 ]]; then
+  backbone=$(sed -n 's/^judge_backbone: *//p' "$judge/config.yaml" 2>/dev/null || true)
+  if [[ $backbone == features || $backbone == ensemble ]]; then
+    echo "hard negatives: the training judge ($judge_name, $backbone) trains on no extra pairs; skipped" >&2
+  else
+    # shellcheck disable=SC2086
+    background hard_replies 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
+      --policy_runs "${grpo[0]}" --split train --evaluate_base false --max_premises "$MAX_PREMISES" $decoding \
+      --run_name HardNegative_Replies
+    wait_for_all --allow_failures
+    if [[ -s "$LOGS/hard_replies.dir" ]]; then
+      hardened="$judge_name+hard_negatives"
+      background hard_negatives 03_train_reward.py --config "$judge/config.yaml" --pairs_run "$pairs" \
+        --hard_negatives "$(cat "$LOGS/hard_replies.dir"):grpo" --run_name "Judge_$hardened"
+    fi
+  fi
+fi
+
 # 4. Every test premise, every model, every judge; the summary.
 crossfit=(); [[ ${CROSSFIT:-1} == 1 ]] && crossfit=(--crossfit_judge_runs "$(cat "$LOGS/crossfit0.dir")" "$(cat "$LOGS/crossfit1.dir")")
 judges=(); for name in "${heldout[@]}"; do judges+=("$(cat "$LOGS/$name.dir")"); done
@@ -150,6 +174,11 @@ evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" 
   --judge_runs "${judges[@]}" "${fluency[@]}" "${crossfit[@]}" \
   --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" --max_premises "$MAX_PREMISES" $decoding)
 "$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${recipes[@]}"
+if [[ -n $hardened ]]; then
+  wait_for_all --allow_failures
+  [[ -s "$LOGS/hard_negatives.dir" ]] && "$PY" scripts/judges_later_posts.py add_lever "$SUMMARY_DIR" "hard negatives" \
+    "$hardened=$(cat "$LOGS/hard_negatives.dir")" "$judge_name=$judge"
+fi
 
 echo
 finish_chain "persuasion on real weights" "pairs $pairs, judge $judge, eval $evalrun"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -70,11 +71,12 @@ FAKE_PY = r'''#!/usr/bin/env bash
 # A stand-in interpreter: every stage "finishes" with a run directory, except those FAIL names (a crash)
 # and those GUARD names (stopped by the length guard); the helper scripts print what the chain reads.
 script=$1; shift
+command=${1:-}  # a helper script's subcommand, before the loop below takes the arguments
 runs=$RUNS_DIR; name=""
 while (( $# )); do case $1 in --runs_dir) runs=$2; shift 2 ;; --run_name) name=$2; shift 2 ;; *) shift ;; esac; done
 case $script in
-  scripts/judges_later_posts.py) case $1 in best) echo "best: j $runs/Judge" ;; best2) printf '%s\n' a b ;; esac; exit 0 ;;
-  scripts/persuasion_real_weights.py) case ${1:-} in decoding) echo "--temperature 0" ;; rising) ls -d "$runs"/GRPO_* ;; esac; exit 0 ;;
+  scripts/judges_later_posts.py) case $command in best) echo "best: j $runs/Judge" ;; best2) printf '%s\n' a b ;; esac; exit 0 ;;
+  scripts/persuasion_real_weights.py) case $command in decoding) echo "--temperature 0" ;; rising) ls -d "$runs"/GRPO_* ;; esac; exit 0 ;;
   scripts/*) exit 0 ;;
 esac
 name=${name:-$(basename "$script" .py)_$RANDOM$RANDOM}
@@ -111,3 +113,18 @@ def test_the_chain_fails_when_a_stage_fails_and_names_it(tmp_path, fail, guard, 
         failed = [g for g in GRPO if g in fail or fail == "04_train_grpo.py"]
         for name in failed:
             assert f"stage grpo_{name[5:]} failed" in out, out[-3000:]
+
+
+def test_the_judges_second_round_trains_on_the_practised_policys_replies(tmp_path):
+    """HARD_NEGATIVES=1: the rising GRPO policy answers train premises, the training judge's recipe trains
+    again on those replies as losers, and a feature judge (which trains on no such pairs) skips the step."""
+    code, out = _chain(tmp_path, HARD_NEGATIVES="1")
+    assert code == 0, out[-3000:]
+    runs = tmp_path / "runs"
+    assert (runs / "HardNegative_Replies").is_dir() and (runs / "Judge_j+hard_negatives").is_dir(), out[-3000:]
+    shutil.rmtree(runs)
+    (runs / "Judge").mkdir(parents=True)
+    (runs / "Judge" / "config.yaml").write_text("judge_backbone: features\n")
+    code, out = _chain(tmp_path, HARD_NEGATIVES="1")
+    assert code == 0 and "hard negatives: the training judge (j, features) trains on no extra pairs" in out
+    assert not (runs / "HardNegative_Replies").exists()
