@@ -110,3 +110,19 @@ def test_without_a_judge_that_passes_the_audit_the_hardest_to_fool_of_those_leve
     (tmp_path / "passes" / "judge_audit.json").write_text(
         (tmp_path / "passes" / "judge_audit.json").read_text().replace("0.99", "0.5"))
     assert best(items)[0] == "top"
+
+
+def test_a_judge_trained_after_the_summary_gets_its_lever_row_and_the_training_judge_stays(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from judges_later_posts import add_lever, summary
+    n = 40
+    first = _audited_judge(tmp_path / "a", [i % 4 != 0 for i in range(n)], 0.2)  # 0.75
+    out = summary(tmp_path, [first, _audited_judge(tmp_path / "b", [i % 2 == 0 for i in range(n)], 0.1)], None)
+    assert out["judges"]["a"]["default"]
+    hardened = _audited_judge(tmp_path / "a+hard_negatives", [True] * n, 0.9)  # 1.00
+    out = add_lever(tmp_path, "hard negatives", hardened, first)
+    row = out["levers"][-1]
+    assert (row["lever"], row["judge"], row["against"], row["n_pairs"]) == ("hard negatives", "a+hard_negatives", "a", n)
+    assert row["gain"] == pytest.approx(0.25) and row["gain_ci95"][0] > 0
+    assert out["judges"]["a"]["default"] and "default" not in out["judges"]["a+hard_negatives"]
+    assert "| hard negatives | a+hard_negatives | a | 40 |" in (tmp_path / "judges_later_posts.md").read_text()
