@@ -140,6 +140,24 @@ def test_every_recipe_parses_strictly():
         assert isinstance(config, cls), path
 
 
+def test_every_judge_candidate_of_the_chains_parses_strictly():
+    """Each line of a chain's candidates file (`NAME stage-03 arguments`, scripts/judges_later_posts.sh) is a
+    valid stage-03 config: a typo would otherwise surface on the GPU machine, mid-chain."""
+    import shlex
+    from pathlib import Path
+
+    from common.config import RewardStageConfig
+    files = sorted((Path(__file__).resolve().parent.parent / "configs").rglob("judges_*candidates.txt"))
+    assert files
+    for path in files:
+        lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        assert lines, path
+        for line in lines:
+            name, *args = shlex.split(line)
+            config, _ = parse_config(RewardStageConfig, [*args, "--pairs_run", "p"])
+            assert isinstance(config, RewardStageConfig), (path, name)
+
+
 def test_a_library_too_old_is_one_error_line_at_start_up(monkeypatch):
     import importlib.metadata
 
