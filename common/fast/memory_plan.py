@@ -15,8 +15,10 @@ The plan is the first whose estimated peak fits the budget (`memory_budget_gib`,
 memory). If none fits, `offload_all` is taken and the log warns, with the estimate and the budget. The estimate:
 what is allocated once the model is loaded, plus the LoRA's gradients and AdamW's two moments, plus the
 activations of the run's largest micro-batch (`micro_batch_tokens`) at bytes a token from the model's
-shape (`activation_bytes`) scaled to what the bench measured, times `SAFETY`. GRPO adds the fp32 logits
-of its update's completion tokens and their gradient, and its rollouts:
+shape (`activation_bytes`) scaled to what the bench measured, times `SAFETY`, plus the logits over the
+vocabulary that the stage's loss keeps (`logits_bytes`): GRPO's update and ORPO hold them in fp32, which on a
+small model with a large vocabulary outweighs its layers (Qwen2.5-Coder-1.5B, 151,936 tokens); SFT and DPO
+take their log-probs through TRL's fused LM head, a reward model has a one-number head. GRPO adds its rollouts:
 bf16 copies of the base with `rollout_weights: bf16`, and the static decoder's KV cache where it is
 larger than the update's activations (a rollout ends before the update). The run's manifest records the
 plan and its estimates, and its metrics the measured peak of every step (`gpu_memory_per_step`), so each
@@ -46,6 +48,19 @@ BUDGET_SHARE = 0.9  # memory_budget_gib 0: this share of the GPU's memory
 # inputs, and 1.75 with every input offloaded.
 KEPT_LAYER = 1.45
 RECOMPUTED_LAYER = {"checkpoint": 1.3, "offload_all": 1.75}
+# Bytes a (token, vocabulary entry) of the logits a loss keeps. GRPO's update: the fp32 logits of its completion
+# tokens, from which TRL takes log-probs and entropies, and their gradient (bench/RESULTS.md). ORPO
+# (trl.experimental.orpo) takes the full logits of its chosen and rejected rows, fp32 (accelerate's autocast
+# wrapper casts the model's outputs), a log-softmax of the chosen half for its NLL term, and in backward
+# the logits' fp32 gradient: 4 + 2 + 4. Measured on one H200, 2026-12-04, Qwen2.5-Coder-1.5B (vocabulary
+# 151,936), 16 rows of 768 tokens, 27 of 28 layers not checkpointed: a peak of 50.03 GiB; less the 2.06 GiB
+# fixed (the DPO run's keep_all estimate less its activations) and the layers' activations as the same
+# model's SFT held them (0.78 of their estimate: 30.4 GiB), the logits held 17.5 GiB, 10.1 bytes an entry.
+# Taken as 12, for backward's transient copies of the sliced logits' gradient: better a slower plan than an
+# out-of-memory beside the other stages on a shared GPU. SFT and DPO (TRL's SFTTrainer and DPOTrainer, and
+# DPO's pair_in_one_sequence through the same head) compute log-probs with TRL's fused LM head, in tiles of
+# 4,096 tokens x 32,768 entries, never the whole logits: none (SFT held 17.9 GiB, 4.2 below its estimate).
+LOGIT_BYTES = {"grpo": 8, "orpo": 12}
 
 
 def activation_bytes(model_config) -> tuple[int, int]:
@@ -74,7 +89,7 @@ def micro_batch_tokens(config) -> int:
     if config.max_tokens_per_batch:  # the budget counts every row (reward: both replies; DPO: its layout)
         return config.max_tokens_per_batch
     rows = config.per_device_train_batch_size
-    if isinstance(config, DPOStageConfig) and config.pair_in_one_sequence:  # prompt, chosen reply, rejected reply
+    if isinstance(config, DPOStageConfig) and config.loss == "dpo" and config.pair_in_one_sequence:  # prompt, chosen, rejected
         return rows * (2 * config.max_length - config.max_prompt_tokens)
     if isinstance(config, (RewardStageConfig, DPOStageConfig)):
         rows *= 2  # chosen and rejected rows
@@ -97,30 +112,35 @@ def rollout_bytes(config, model) -> tuple[int, int]:
     return copies, cache
 
 
-def update_logits_bytes(config, model) -> int:
-    """GRPO's update: the fp32 logits of a micro-batch's completion tokens, from which TRL takes log-probs
-    and entropies, and their gradient (its checkpointed update held that much beside the layers' share,
-    bench/RESULTS.md; the other stages' heads stayed small in the bench's peaks)."""
-    if not isinstance(config, GRPOStageConfig):
+def logits_bytes(config, model) -> int:
+    """The logits over the vocabulary that the stage's loss keeps for a micro-batch (`LOGIT_BYTES`): GRPO's
+    update, its completion tokens; ORPO, every token of its chosen and rejected rows. None for SFT and DPO
+    (TRL's fused LM head) and the reward models (one number a sequence)."""
+    if isinstance(config, GRPOStageConfig):
+        loss, tokens = "grpo", config.per_device_train_batch_size * config.max_completion_length
+    elif isinstance(config, DPOStageConfig) and config.loss == "orpo":
+        loss, tokens = "orpo", micro_batch_tokens(config)
+    else:
         return 0
-    return 8 * config.per_device_train_batch_size * config.max_completion_length * unwrap_peft(model).config.vocab_size
+    return LOGIT_BYTES[loss] * tokens * unwrap_peft(model).config.vocab_size
 
 
 def estimates(config, model, allocated: int) -> dict:
-    """The estimated peak (GiB) of each plan, and the GiB each layer that is not checkpointed adds
-    (`per_kept_layer`); `allocated`: bytes on the GPU with the model loaded."""
+    """The estimated peak (GiB) of each plan, the GiB each layer that is not checkpointed adds
+    (`per_kept_layer`) and the loss's logits in every plan (`logits`); `allocated`: bytes on the GPU with the
+    model loaded."""
     layers = unwrap_peft(model).config.num_hidden_layers
     layer, layer_input = activation_bytes(unwrap_peft(model).config)
     tokens = micro_batch_tokens(config)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     copies, cache = rollout_bytes(config, model)
     fixed = allocated + trainable * 3 + copies  # the LoRA's gradients and AdamW's two moments
-    head = update_logits_bytes(config, model)
+    head = logits_bytes(config, model)
     checkpoint = layers * layer_input + RECOMPUTED_LAYER["checkpoint"] * layer
     kept = {"keep_all": layers * KEPT_LAYER * layer, "checkpoint": checkpoint,
             "offload_all": min(RECOMPUTED_LAYER["offload_all"] * layer, checkpoint)}  # few layers: nothing to gain
     peaks = {plan: (fixed + max(cache, SAFETY * tokens * per_token + head)) / GIB for plan, per_token in kept.items()}
-    return {**peaks, "per_kept_layer": SAFETY * tokens * (KEPT_LAYER * layer - layer_input) / GIB}
+    return {**peaks, "per_kept_layer": SAFETY * tokens * (KEPT_LAYER * layer - layer_input) / GIB, "logits": head / GIB}
 
 
 def room(config, model) -> tuple[float, int] | None:
@@ -165,8 +185,8 @@ def fit(config, model) -> tuple[dict, dict]:
                "micro_batch_tokens": micro_batch_tokens(config), **levers}
     if plan == "offload_all" and peaks["offload_all"] > budget:
         log.warning("memory plan: even offloading every saved input is estimated at %.1f GiB, over the %.1f GiB "
-                    "budget; lower max_tokens_per_batch or max_length, or set mlp_chunk_tokens", peaks["offload_all"],
-                    budget)
+                    "budget (the loss's logits %.1f of it); lower max_tokens_per_batch, per_device_train_batch_size "
+                    "or max_length, or set mlp_chunk_tokens", peaks["offload_all"], budget, peaks["logits"])
     log.info("memory plan: %s (gradient_checkpointing %s, %d layers not checkpointed, offload_activations %s, "
              "keep %.2f GiB) for %d-token micro-batches within %.1f GiB; estimated peaks %s", plan,
              levers["gradient_checkpointing"], levers["layers_not_checkpointed"], levers["offload_activations"], keep,

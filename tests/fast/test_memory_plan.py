@@ -14,6 +14,23 @@ from common.fast import memory_plan
 
 LLAMA3_8B = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                             num_hidden_layers=32)
+GIB = 2 ** 30
+# configs/qwen-gpu's preference stage, measured on one H200 on 2026-12-04 (Qwen2.5-Coder-1.5B-Instruct)
+PREFERENCE = dict(sft_run="s", per_device_train_batch_size=8, max_prompt_tokens=512, max_length=768, memory_budget_gib=28)
+
+
+def qwen_15b():
+    """Qwen2.5-Coder-1.5B's shape, no weights: a small model with a large vocabulary."""
+    from transformers import Qwen2Config
+    config = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936)
+    return SimpleNamespace(config=config, parameters=lambda: iter([]))
+
+
+def measured_fixed_gib(model) -> float:
+    """GiB allocated with the model loaded plus the LoRA's optimiser state in the measured runs: the DPO run's
+    keep_all estimate (28.05 GiB, its manifest) less its activations."""
+    return 28.05 - memory_plan.estimates(DPOStageConfig(**PREFERENCE), model, allocated=0)["keep_all"]
 
 
 def test_micro_batch_tokens_follow_each_stage_layout():
@@ -27,6 +44,8 @@ def test_micro_batch_tokens_follow_each_stage_layout():
                          pair_in_one_sequence=False)
     assert memory_plan.micro_batch_tokens(one) == 19456 + 2 * 1024
     assert memory_plan.micro_batch_tokens(two) == 2 * 20480
+    # ORPO runs TRL's two rows a pair, whatever pair_in_one_sequence says (it is DPO's)
+    assert memory_plan.micro_batch_tokens(DPOStageConfig(**PREFERENCE, loss="orpo")) == 2 * 8 * 768
     # GRPO: a premise once with its replies as branches, or one row a reply
     grpo = dict(sft_run="s", reward_run="r", per_device_train_batch_size=16, num_generations=4, max_prompt_tokens=512,
                 max_completion_length=256)
@@ -119,7 +138,43 @@ def test_grpo_counts_its_rollout_cache_where_it_outweighs_the_update():
     assert cache == 2 * c.num_hidden_layers * 256 * c.num_key_value_heads * head_dim * 120 * 2
     peaks = memory_plan.estimates(config, model, allocated=0)
     assert peaks["offload_all"] * 2 ** 30 >= cache  # the rollout's cache outweighs one premise's update here
-    assert memory_plan.update_logits_bytes(config, model) == 8 * 4 * 20 * c.vocab_size  # fp32 and its gradient
-    assert memory_plan.update_logits_bytes(SFTStageConfig(pairs_run="p"), model) == 0
+    assert memory_plan.logits_bytes(config, model) == 8 * 4 * 20 * c.vocab_size  # fp32 and its gradient
+    assert memory_plan.logits_bytes(SFTStageConfig(pairs_run="p"), model) == 0
     config.rollout_backend = "hf"
     assert memory_plan.rollout_bytes(config, model) == (0, 0)
+
+
+def test_orpo_counts_its_logits_and_keeps_within_its_budget():
+    """ORPO keeps fp32 logits over Qwen's 151,936-token vocabulary for its 16 rows of 768 tokens: its estimate is
+    that of the same tokens without a head plus the logits, it covers the 50.03 GiB ORPO measured with 27 of 28
+    layers not checkpointed, and within the 28 GiB budget that ran then it keeps fewer layers."""
+    model = qwen_15b()
+    orpo = DPOStageConfig(**PREFERENCE, loss="orpo")
+    allocated = int(measured_fixed_gib(model) * GIB)
+    peaks = memory_plan.estimates(orpo, model, allocated=allocated)
+    no_head = memory_plan.estimates(SFTStageConfig(pairs_run="p", max_tokens_per_batch=2 * 8 * 768), model,
+                                    allocated=allocated)
+    logits = memory_plan.LOGIT_BYTES["orpo"] * 2 * 8 * 768 * 151936 / GIB
+    assert peaks["logits"] == pytest.approx(logits) and logits > 14  # over half the budget
+    for plan in ("keep_all", "checkpoint", "offload_all"):
+        assert peaks[plan] == pytest.approx(no_head[plan] + logits)
+    assert peaks["checkpoint"] + 27 * peaks["per_kept_layer"] >= 50.03
+    plan, kept, _ = memory_plan.choose(peaks, orpo.memory_budget_gib, layers=28)
+    assert plan == "checkpoint_some" and 0 < kept < 27
+    assert peaks["checkpoint"] + kept * peaks["per_kept_layer"] <= orpo.memory_budget_gib
+
+
+def test_fused_heads_and_reward_heads_add_nothing():
+    """SFT and DPO take their log-probs through TRL's fused LM head and a reward model has a one-number head:
+    no logits counted. SFT's estimate stays above the 17.88 GiB it measured and within 30% of it."""
+    model = qwen_15b()
+    sft = SFTStageConfig(pairs_run="p", per_device_train_batch_size=8, max_length=768)
+    dpo = DPOStageConfig(**PREFERENCE)
+    reward = RewardStageConfig(pairs_run="p", per_device_train_batch_size=16, max_length=768)
+    for config in (sft, dpo, reward):
+        assert memory_plan.logits_bytes(config, model) == 0
+        assert memory_plan.estimates(config, model, allocated=0)["logits"] == 0
+    same_tokens = memory_plan.estimates(SFTStageConfig(pairs_run="p", max_tokens_per_batch=8192), model, allocated=0)
+    assert memory_plan.estimates(dpo, model, allocated=0)["keep_all"] == pytest.approx(same_tokens["keep_all"])
+    fixed = int(measured_fixed_gib(model) * GIB)
+    assert 17.88 <= memory_plan.estimates(sft, model, allocated=fixed)["keep_all"] <= 1.3 * 17.88
