@@ -35,6 +35,7 @@ import logging
 import torch
 
 from common.config import DPOStageConfig, GRPOStageConfig, RewardStageConfig
+from common.fast import shared_prompt
 from common.model import unwrap_peft
 
 log = logging.getLogger("pipeline")
@@ -79,8 +80,15 @@ def activation_bytes(model_config) -> tuple[int, int]:
     return layer, 2 * hidden
 
 
-def micro_batch_tokens(config) -> int:
-    """The tokens of the run's largest training micro-batch, as its stage lays it out."""
+def pairs_in_one_sequence(config) -> bool:
+    """DPO's pair_in_one_sequence: prompt, chosen and rejected reply in one sequence (ORPO runs TRL's two rows)."""
+    return isinstance(config, DPOStageConfig) and config.loss == "dpo" and config.pair_in_one_sequence
+
+
+def micro_batch_tokens(config, longest_pair: int = 0) -> int:
+    """The tokens of the run's largest training micro-batch, as its stage lays it out. `longest_pair`: DPO's
+    longest pair as one sequence in the run's data (`shared_prompt.longest_pair`); without it, the pair of a
+    prompt of max_prompt_tokens."""
     if isinstance(config, GRPOStageConfig):
         premises = max(1, config.per_device_train_batch_size // config.num_generations)
         if config.group_in_one_sequence:  # a premise once, its replies as branches
@@ -89,8 +97,8 @@ def micro_batch_tokens(config) -> int:
     if config.max_tokens_per_batch:  # the budget counts every row (reward: both replies; DPO: its layout)
         return config.max_tokens_per_batch
     rows = config.per_device_train_batch_size
-    if isinstance(config, DPOStageConfig) and config.loss == "dpo" and config.pair_in_one_sequence:  # prompt, chosen, rejected
-        return rows * (2 * config.max_length - config.max_prompt_tokens)
+    if pairs_in_one_sequence(config):
+        return rows * (longest_pair or 2 * config.max_length - config.max_prompt_tokens)
     if isinstance(config, (RewardStageConfig, DPOStageConfig)):
         rows *= 2  # chosen and rejected rows
     return rows * config.max_length
@@ -125,13 +133,13 @@ def logits_bytes(config, model) -> int:
     return LOGIT_BYTES[loss] * tokens * unwrap_peft(model).config.vocab_size
 
 
-def estimates(config, model, allocated: int) -> dict:
+def estimates(config, model, allocated: int, longest_pair: int = 0) -> dict:
     """The estimated peak (GiB) of each plan, the GiB each layer that is not checkpointed adds
     (`per_kept_layer`) and the loss's logits in every plan (`logits`); `allocated`: bytes on the GPU with the
-    model loaded."""
+    model loaded; `longest_pair`: as `micro_batch_tokens` takes it."""
     layers = unwrap_peft(model).config.num_hidden_layers
     layer, layer_input = activation_bytes(unwrap_peft(model).config)
-    tokens = micro_batch_tokens(config)
+    tokens = micro_batch_tokens(config, longest_pair)
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     copies, cache = rollout_bytes(config, model)
     fixed = allocated + trainable * 3 + copies  # the LoRA's gradients and AdamW's two moments
@@ -164,25 +172,28 @@ def choose(peaks: dict, budget: float, layers: int) -> tuple[str, int, float]:
     return ("offload", 0, keep) if keep > 0 else ("offload_all", 0, 0.0)
 
 
-def fit(config, model) -> tuple[dict, dict]:
+def fit(config, model, dataset=None, tokenizer=None) -> tuple[dict, dict]:
     """The fastest plan that fits the GPU's budget (with `memory_levers: fit` on a GPU), as (the levers it sets:
     gradient_checkpointing, layers_not_checkpointed, offload_activations and offload_keep_gib; the plan, for the
     run's manifest, `memory_plan`). `config` is left as it is: the stage sets the levers on it
-    (`common.runs.settle`) before its trainer is built, so that config.yaml says what ran."""
+    (`common.runs.settle`) before its trainer is built, so that config.yaml says what ran. DPO passes its
+    preference `dataset` and `tokenizer`: its micro-batch is planned for the data's longest pair."""
     if config.memory_levers != "fit":
         return {}, {"levers": "as_set"}
     found = room(config, model)
     if found is None:
         return {}, {"levers": "as_set", "why": "memory_levers fit plans for a GPU; on the CPU the levers stay as written"}
     budget, allocated = found
-    peaks = estimates(config, model, allocated)
+    longest = shared_prompt.longest_pair(dataset, tokenizer, config.max_length) \
+        if dataset is not None and pairs_in_one_sequence(config) and not config.max_tokens_per_batch else 0
+    peaks = estimates(config, model, allocated, longest)
     plan, kept, keep = choose(peaks, budget, unwrap_peft(model).config.num_hidden_layers)
     levers = {"gradient_checkpointing": plan != "keep_all",
               "layers_not_checkpointed": kept if plan == "checkpoint_some" else 0,
               "offload_activations": plan in ("offload", "offload_all"), "offload_keep_gib": keep}
     peaks = {name: round(gib, 2) for name, gib in peaks.items()}
     decided = {"levers": "fit", "plan": plan, "budget_gib": round(budget, 2), "estimated_peak_gib": peaks,
-               "micro_batch_tokens": micro_batch_tokens(config), **levers}
+               "micro_batch_tokens": micro_batch_tokens(config, longest), **levers}
     if plan == "offload_all" and peaks["offload_all"] > budget:
         log.warning("memory plan: even offloading every saved input is estimated at %.1f GiB, over the %.1f GiB "
                     "budget (the loss's logits %.1f of it); lower max_tokens_per_batch, per_device_train_batch_size "

@@ -178,3 +178,45 @@ def test_fused_heads_and_reward_heads_add_nothing():
     assert memory_plan.estimates(dpo, model, allocated=0)["keep_all"] == pytest.approx(same_tokens["keep_all"])
     fixed = int(measured_fixed_gib(model) * GIB)
     assert 17.88 <= memory_plan.estimates(sft, model, allocated=fixed)["keep_all"] <= 1.3 * 17.88
+
+
+def test_dpo_plans_for_the_data_longest_pair(monkeypatch):
+    """DPO's pair as one sequence: a short prompt leaves each reply room up to max_length, so the longest pair
+    (as the collator lays it out) is longer than that of a prompt of max_prompt_tokens; fit plans for it."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from common.fast.shared_prompt import SharedPromptCollator, longest_pair
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    words = "the view holds because every case shows it again and again ".split()
+
+    def text(n):
+        return " ".join(words[i % len(words)] for i in range(n))
+
+    def pair(prompt, chosen, rejected):
+        return {"prompt": [{"role": "user", "content": text(prompt)}],
+                "chosen": [{"role": "assistant", "content": text(chosen)}],
+                "rejected": [{"role": "assistant", "content": text(rejected)}]}
+    rows = [pair(40, 5, 8), pair(3, 80, 70), pair(10, 20, 25)]  # a long prompt; a short one with long replies
+    config = DPOStageConfig(sft_run="s", per_device_train_batch_size=3, max_prompt_tokens=48, max_length=64,
+                            memory_levers="fit")
+
+    def trl_ids(row):  # TRL's tokens of a conversational pair: the prompt, then each reply after it
+        p = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+        c, r = (tokenizer.apply_chat_template(row["prompt"] + row[k], tokenize=True, return_dict=True)["input_ids"]
+                for k in ("chosen", "rejected"))
+        n = len(p["input_ids"])
+        return {"prompt_ids": c[:n], "chosen_ids": c[n:], "rejected_ids": r[n:]}
+    collator = SharedPromptCollator(pad_token_id=0, max_length=config.max_length)
+    laid_out = [collator([trl_ids(row)])["shared_input_ids"].shape[1] for row in rows]
+    longest = longest_pair(Dataset.from_list(rows), tokenizer, config.max_length)
+    assert longest == max(laid_out) == laid_out[1]
+    assert longest > 2 * config.max_length - config.max_prompt_tokens  # what was planned without the data
+    batch = collator([trl_ids(row) for row in rows])["shared_input_ids"]
+    assert batch.numel() == memory_plan.micro_batch_tokens(config, longest)
+    assert memory_plan.micro_batch_tokens(DPOStageConfig(**PREFERENCE, loss="orpo"), longest) == 2 * 8 * 768
+    from transformers import AutoConfig
+    monkeypatch.setattr(memory_plan, "room", lambda config, model: (80.0, 0))  # a GPU's room, on this CPU
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(TINY), parameters=lambda: iter([]))
+    _, decided = memory_plan.fit(config, model, Dataset.from_list(rows), tokenizer)
+    assert decided["micro_batch_tokens"] == 3 * longest
