@@ -14,11 +14,13 @@ fastest:
 The plan is the first whose estimated peak fits the budget (`memory_budget_gib`, or 90% of the GPU's
 memory). If none fits, `offload_all` is taken and the log warns, with the estimate and the budget. The estimate:
 what is allocated once the model is loaded, plus the LoRA's gradients and AdamW's two moments, plus the
-activations of the run's largest micro-batch (`micro_batch_tokens`) at bytes a token from the model's
-shape (`activation_bytes`) scaled to what the bench measured, times `SAFETY`, plus the logits over the
-vocabulary that the stage's loss keeps (`logits_bytes`): GRPO's update and ORPO hold them in fp32, which on a
-small model with a large vocabulary outweighs its layers (Qwen2.5-Coder-1.5B, 151,936 tokens); SFT and DPO
-take their log-probs through TRL's fused LM head, a reward model has a one-number head. GRPO adds its rollouts:
+activations of the run's largest micro-batch (`micro_batch_tokens`; DPO's pairs as one sequence: the data's
+longest pair, which a short prompt with long replies makes) at bytes a token from the model's shape
+(`activation_bytes`) scaled to what the bench measured, times `SAFETY`, plus the logits over the vocabulary
+that the stage's loss keeps (`logits_bytes`, in the manifest as `logits`): GRPO's update and ORPO hold them in
+fp32, which on a small model with a large vocabulary outweighs its layers (Qwen2.5-Coder-1.5B, 151,936
+tokens: ORPO's 16 rows of 768 tokens, 20.9 GiB); SFT and DPO take their log-probs through TRL's fused LM
+head, a reward model has a one-number head. GRPO adds its rollouts:
 bf16 copies of the base with `rollout_weights: bf16`, and the static decoder's KV cache where it is
 larger than the update's activations (a rollout ends before the update). The run's manifest records the
 plan and its estimates, and its metrics the measured peak of every step (`gpu_memory_per_step`), so each
