@@ -1,5 +1,6 @@
-"""`memory_levers: fit` (common/fast/memory_plan.py): the tokens of each stage's largest micro-batch, the
-estimated peak of each plan, the choice of plan against a budget, and that on the CPU or with `as_set` the
+"""`memory_levers: fit` (common/fast/memory_plan.py): the tokens of each stage's largest micro-batch (DPO's: its
+data's longest pair), the logits each loss keeps (on Qwen2.5-Coder-1.5B's shape, against what its stages measured
+on an H200), the estimated peak of each plan, the choice of plan against a budget, and that on the CPU or with `as_set` the
 levers stay as written. What the estimates are worth on a GPU is measured by the bench (bench/RESULTS.md)."""
 from __future__ import annotations
 
