@@ -105,7 +105,8 @@ def preference_dataset(rows, prompts, rejected, tokenizer, config: DPOStageConfi
 
 
 def build_trainer(config: DPOStageConfig, run, model, tokenizer, dataset: Dataset):
-    levers, run.manifest["memory_plan"] = fast.fit_memory(config, model)  # memory_levers fit: what this GPU needs
+    # memory_levers fit: what this GPU needs, for the data's longest pair
+    levers, run.manifest["memory_plan"] = fast.fit_memory(config, model, dataset, tokenizer)
     settle(run, config, levers)  # on the config before the trainer is built, and in config.yaml: what ran
     if config.loss == "orpo":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

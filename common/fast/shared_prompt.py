@@ -81,6 +81,23 @@ class SharedPromptCollator(DataCollatorForPreference):
         return batch
 
 
+def longest_pair(dataset, tokenizer, max_length: int) -> int:
+    """Tokens of the longest pair of `dataset` (conversational prompt, chosen, rejected) as one sequence:
+    TRL's tokens (the chat template), each reply cut as its collator cuts it (prompt + reply to max_length),
+    and the prompt's last token again before the rejected reply. A short prompt leaves each of its replies
+    room up to max_length, so the longest pair need not be the one with the longest prompt: what
+    `memory_levers: fit` plans DPO's micro-batch for (memory_plan.micro_batch_tokens)."""
+    def lengths(conversations, **kwargs):
+        ids = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True, **kwargs)["input_ids"]
+        return [len(row) for row in ids]
+    prompt, chosen, rejected = (list(dataset[column]) for column in ("prompt", "chosen", "rejected"))
+    prompts = lengths(prompt, add_generation_prompt=True)
+    chosen = lengths([p + c for p, c in zip(prompt, chosen)])
+    rejected = lengths([p + r for p, r in zip(prompt, rejected)])
+    return max((min(c, max_length) + 1 + min(r, max_length) - p for p, c, r in zip(prompts, chosen, rejected)
+                if p < max_length), default=0)  # TRL drops a pair whose prompt fills max_length
+
+
 def packs_rows(model) -> bool:
     """Whether the packed layouts hold for `model` (a PeftModel or not): our mask makes every layer attend
     causally within its sequence. A model with sliding-window layers (Gemma 3, every layer_types entry

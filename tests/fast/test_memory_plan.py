@@ -1,5 +1,6 @@
-"""`memory_levers: fit` (common/fast/memory_plan.py): the tokens of each stage's largest micro-batch, the
-estimated peak of each plan, the choice of plan against a budget, and that on the CPU or with `as_set` the
+"""`memory_levers: fit` (common/fast/memory_plan.py): the tokens of each stage's largest micro-batch (DPO's: its
+data's longest pair), the logits each loss keeps (on Qwen2.5-Coder-1.5B's shape, against what its stages measured
+on an H200), the estimated peak of each plan, the choice of plan against a budget, and that on the CPU or with `as_set` the
 levers stay as written. What the estimates are worth on a GPU is measured by the bench (bench/RESULTS.md)."""
 from __future__ import annotations
 
@@ -14,6 +15,23 @@ from common.fast import memory_plan
 
 LLAMA3_8B = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                             num_hidden_layers=32)
+GIB = 2 ** 30
+# configs/qwen-gpu's preference stage, measured on one H200 on 2026-12-04 (Qwen2.5-Coder-1.5B-Instruct)
+PREFERENCE = dict(sft_run="s", per_device_train_batch_size=8, max_prompt_tokens=512, max_length=768, memory_budget_gib=28)
+
+
+def qwen_15b():
+    """Qwen2.5-Coder-1.5B's shape, no weights: a small model with a large vocabulary."""
+    from transformers import Qwen2Config
+    config = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936)
+    return SimpleNamespace(config=config, parameters=lambda: iter([]))
+
+
+def measured_fixed_gib(model) -> float:
+    """GiB allocated with the model loaded plus the LoRA's optimiser state in the measured runs: the DPO run's
+    keep_all estimate (28.05 GiB, its manifest) less its activations."""
+    return 28.05 - memory_plan.estimates(DPOStageConfig(**PREFERENCE), model, allocated=0)["keep_all"]
 
 
 def test_micro_batch_tokens_follow_each_stage_layout():
@@ -27,6 +45,8 @@ def test_micro_batch_tokens_follow_each_stage_layout():
                          pair_in_one_sequence=False)
     assert memory_plan.micro_batch_tokens(one) == 19456 + 2 * 1024
     assert memory_plan.micro_batch_tokens(two) == 2 * 20480
+    # ORPO runs TRL's two rows a pair, whatever pair_in_one_sequence says (it is DPO's)
+    assert memory_plan.micro_batch_tokens(DPOStageConfig(**PREFERENCE, loss="orpo")) == 2 * 8 * 768
     # GRPO: a premise once with its replies as branches, or one row a reply
     grpo = dict(sft_run="s", reward_run="r", per_device_train_batch_size=16, num_generations=4, max_prompt_tokens=512,
                 max_completion_length=256)
@@ -119,7 +139,85 @@ def test_grpo_counts_its_rollout_cache_where_it_outweighs_the_update():
     assert cache == 2 * c.num_hidden_layers * 256 * c.num_key_value_heads * head_dim * 120 * 2
     peaks = memory_plan.estimates(config, model, allocated=0)
     assert peaks["offload_all"] * 2 ** 30 >= cache  # the rollout's cache outweighs one premise's update here
-    assert memory_plan.update_logits_bytes(config, model) == 8 * 4 * 20 * c.vocab_size  # fp32 and its gradient
-    assert memory_plan.update_logits_bytes(SFTStageConfig(pairs_run="p"), model) == 0
+    assert memory_plan.logits_bytes(config, model) == 8 * 4 * 20 * c.vocab_size  # fp32 and its gradient
+    assert memory_plan.logits_bytes(SFTStageConfig(pairs_run="p"), model) == 0
     config.rollout_backend = "hf"
     assert memory_plan.rollout_bytes(config, model) == (0, 0)
+
+
+def test_orpo_counts_its_logits_and_keeps_within_its_budget():
+    """ORPO keeps fp32 logits over Qwen's 151,936-token vocabulary for its 16 rows of 768 tokens: its estimate is
+    that of the same tokens without a head plus the logits, it covers the 50.03 GiB ORPO measured with 27 of 28
+    layers not checkpointed, and within the 28 GiB budget that ran then it keeps fewer layers."""
+    model = qwen_15b()
+    orpo = DPOStageConfig(**PREFERENCE, loss="orpo")
+    allocated = int(measured_fixed_gib(model) * GIB)
+    peaks = memory_plan.estimates(orpo, model, allocated=allocated)
+    no_head = memory_plan.estimates(SFTStageConfig(pairs_run="p", max_tokens_per_batch=2 * 8 * 768), model,
+                                    allocated=allocated)
+    logits = memory_plan.LOGIT_BYTES["orpo"] * 2 * 8 * 768 * 151936 / GIB
+    assert peaks["logits"] == pytest.approx(logits) and logits > 14  # over half the budget
+    for plan in ("keep_all", "checkpoint", "offload_all"):
+        assert peaks[plan] == pytest.approx(no_head[plan] + logits)
+    assert peaks["checkpoint"] + 27 * peaks["per_kept_layer"] >= 50.03
+    plan, kept, _ = memory_plan.choose(peaks, orpo.memory_budget_gib, layers=28)
+    assert plan == "checkpoint_some" and 0 < kept < 27
+    assert peaks["checkpoint"] + kept * peaks["per_kept_layer"] <= orpo.memory_budget_gib
+
+
+def test_fused_heads_and_reward_heads_add_nothing():
+    """SFT and DPO take their log-probs through TRL's fused LM head and a reward model has a one-number head:
+    no logits counted. SFT's estimate stays above the 17.88 GiB it measured and within 30% of it."""
+    model = qwen_15b()
+    sft = SFTStageConfig(pairs_run="p", per_device_train_batch_size=8, max_length=768)
+    dpo = DPOStageConfig(**PREFERENCE)
+    reward = RewardStageConfig(pairs_run="p", per_device_train_batch_size=16, max_length=768)
+    for config in (sft, dpo, reward):
+        assert memory_plan.logits_bytes(config, model) == 0
+        assert memory_plan.estimates(config, model, allocated=0)["logits"] == 0
+    same_tokens = memory_plan.estimates(SFTStageConfig(pairs_run="p", max_tokens_per_batch=8192), model, allocated=0)
+    assert memory_plan.estimates(dpo, model, allocated=0)["keep_all"] == pytest.approx(same_tokens["keep_all"])
+    fixed = int(measured_fixed_gib(model) * GIB)
+    assert 17.88 <= memory_plan.estimates(sft, model, allocated=fixed)["keep_all"] <= 1.3 * 17.88
+
+
+def test_dpo_plans_for_the_data_longest_pair(monkeypatch):
+    """DPO's pair as one sequence: a short prompt leaves each reply room up to max_length, so the longest pair
+    (as the collator lays it out) is longer than that of a prompt of max_prompt_tokens; fit plans for it."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from common.fast.shared_prompt import SharedPromptCollator, longest_pair
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    words = "the view holds because every case shows it again and again ".split()
+
+    def text(n):
+        return " ".join(words[i % len(words)] for i in range(n))
+
+    def pair(prompt, chosen, rejected):
+        return {"prompt": [{"role": "user", "content": text(prompt)}],
+                "chosen": [{"role": "assistant", "content": text(chosen)}],
+                "rejected": [{"role": "assistant", "content": text(rejected)}]}
+    rows = [pair(40, 5, 8), pair(3, 80, 70), pair(10, 20, 25)]  # a long prompt; a short one with long replies
+    config = DPOStageConfig(sft_run="s", per_device_train_batch_size=3, max_prompt_tokens=48, max_length=64,
+                            memory_levers="fit")
+
+    def trl_ids(row):  # TRL's tokens of a conversational pair: the prompt, then each reply after it
+        p = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+        c, r = (tokenizer.apply_chat_template(row["prompt"] + row[k], tokenize=True, return_dict=True)["input_ids"]
+                for k in ("chosen", "rejected"))
+        n = len(p["input_ids"])
+        return {"prompt_ids": c[:n], "chosen_ids": c[n:], "rejected_ids": r[n:]}
+    collator = SharedPromptCollator(pad_token_id=0, max_length=config.max_length)
+    laid_out = [collator([trl_ids(row)])["shared_input_ids"].shape[1] for row in rows]
+    longest = longest_pair(Dataset.from_list(rows), tokenizer, config.max_length)
+    assert longest == max(laid_out) == laid_out[1]
+    assert longest > 2 * config.max_length - config.max_prompt_tokens  # what was planned without the data
+    batch = collator([trl_ids(row) for row in rows])["shared_input_ids"]
+    assert batch.numel() == memory_plan.micro_batch_tokens(config, longest)
+    assert memory_plan.micro_batch_tokens(DPOStageConfig(**PREFERENCE, loss="orpo"), longest) == 2 * 8 * 768
+    from transformers import AutoConfig
+    monkeypatch.setattr(memory_plan, "room", lambda config, model: (80.0, 0))  # a GPU's room, on this CPU
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(TINY), parameters=lambda: iter([]))
+    _, decided = memory_plan.fit(config, model, Dataset.from_list(rows), tokenizer)
+    assert decided["micro_batch_tokens"] == 3 * longest
