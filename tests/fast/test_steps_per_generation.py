@@ -1,7 +1,7 @@
 """GRPO's `steps_per_generation` (TRL's): one generation batch feeding several optimiser steps.
 
-A tiny GRPO run through stage 04's `build_trainer` (the static decoder's rollouts; the update one row a
-reply and with `group_in_one_sequence`): at steps_per_generation 2 with one micro-batch a step, half as
+A tiny GRPO run through stage 04's `build_trainer` (the static decoder's rollouts, and TRL's generate; the
+update one row a reply and with `group_in_one_sequence`): at steps_per_generation 2 with one micro-batch a step, half as
 many generation batches as optimiser steps, the second step's loss against the sampling policy's
 log-probs (its importance ratio away from 1); at the default, the run of today (steps_per_generation null,
 TRL's gradient_accumulation_steps) and that value set explicitly give the same rewards and losses."""
@@ -41,7 +41,7 @@ def _grpo(tmp_path, steps: int, **over) -> dict:
                                  for i, n in enumerate([9, 4, 13, 6])])
     run = type("R", (), {"dir": tmp_path, "manifest": {}})()
     trainer = load_stage("04_train_grpo.py").build_trainer(config, run, model, _judge, prompts, tokenizer)
-    assert run.manifest["backends"]["decoder"] == "static"
+    assert run.manifest["backends"]["decoder"] == {"static": "static", "hf": "trl_generate"}[config.rollout_backend]
     assert ("group_in_one_sequence" in run.manifest["patches"]) == config.group_in_one_sequence
     batches = GenerationBatches(trainer)
     ratios, compute = [], trainer._compute_loss
@@ -65,10 +65,11 @@ def _grpo(tmp_path, steps: int, **over) -> dict:
             "steps": trainer.state.global_step}
 
 
-@pytest.mark.parametrize("group_in_one_sequence", [False, True])
+@pytest.mark.parametrize("group_in_one_sequence,rollout_backend", [(False, "static"), (True, "static"), (True, "hf")])
 def test_two_steps_share_a_generation_batch_and_clip_against_its_log_probs(tmp_path, tiny_model,
-                                                                         group_in_one_sequence):
-    run = _grpo(tmp_path, 4, steps_per_generation=2, group_in_one_sequence=group_in_one_sequence)
+                                                                         group_in_one_sequence, rollout_backend):
+    run = _grpo(tmp_path, 4, steps_per_generation=2, group_in_one_sequence=group_in_one_sequence,
+                rollout_backend=rollout_backend)
     assert run["steps"] == 4 and run["batches"] == 2  # half as many generation batches as optimiser steps
     summary = run["summary"]
     assert summary["steps_per_generation"] == 2 and summary["generation_batch_size"] == 8
