@@ -44,9 +44,10 @@ def _grpo(tmp_path, steps: int, **over) -> dict:
     assert run.manifest["backends"]["decoder"] == {"static": "static", "hf": "trl_generate"}[config.rollout_backend]
     assert ("group_in_one_sequence" in run.manifest["patches"]) == config.group_in_one_sequence
     batches = GenerationBatches(trainer)
-    ratios, compute = [], trainer._compute_loss
+    ratios, replies, compute = [], [], trainer._compute_loss
 
     def loss_with_ratio(model, inputs):  # how far the policy that updates is from the one that sampled
+        replies.append([tuple(r) for r in inputs["completion_ids"].tolist()])
         old = inputs.get("old_per_token_logps")
         if old is not None:
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
@@ -62,7 +63,7 @@ def _grpo(tmp_path, steps: int, **over) -> dict:
     trainer.train()
     history = trainer.state.log_history
     return {"history": history, "batches": batches.count, "summary": batches.summary(history), "ratios": ratios,
-            "steps": trainer.state.global_step}
+            "steps": trainer.state.global_step, "replies": replies}
 
 
 @pytest.mark.parametrize("group_in_one_sequence,rollout_backend", [(False, "static"), (True, "static"), (True, "hf")])
@@ -80,6 +81,9 @@ def test_two_steps_share_a_generation_batch_and_clip_against_its_log_probs(tmp_p
     first, second = run["ratios"][0::2], run["ratios"][1::2]
     assert all(r is not None and r < 5e-3 for r in first), run["ratios"]
     assert all(r is not None and r > 5e-2 for r in second), run["ratios"]
+    # each step takes its own micro-batch of the generation batch: its 8 replies once each over the 2 steps
+    for a, b in zip(run["replies"][0::2], run["replies"][1::2]):
+        assert len(a) == len(b) == 4 and len(set(a + b)) == 8
     logged = [h for h in run["history"] if "loss" in h]
     assert len(logged) == 4 and all("clip_ratio/region_mean" in h for h in logged)
     assert summary["clip_ratio_region_max"] == max(h["clip_ratio/region_mean"] for h in logged)
