@@ -26,6 +26,7 @@ from common import checkpoint_choice, fast, reward_terms
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
+from common.generation_batches import GenerationBatches
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.runs import Run, settle
 from common.training import save_adapter, train, trainer_args
@@ -47,7 +48,8 @@ def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, t
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
                         temperature=config.temperature, beta=config.beta, scale_rewards=config.scale_rewards,
-                        log_completions=False, reward_weights=reward_weights)
+                        log_completions=False, reward_weights=reward_weights,
+                        steps_per_generation=config.steps_per_generation)  # None: TRL's, gradient_accumulation_steps
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     rollout = None
     if config.rollout_backend == "static" and fast.supports_fast_decode(policy):
@@ -105,6 +107,8 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     #    is kept in the run directory, so a resumed run keeps it.
     guard = WatchCallback(config.guard_max_length_ratio, config.guard_patience, state_path=run.dir / "guard.json")
     trainer.add_callback(guard)
+    #    Every generation batch sampled is counted (steps_per_generation: one feeds several steps).
+    generation_batches = GenerationBatches(trainer)
     #    With checkpoint_eval_steps, the adapter is kept every N steps (and where it started) to be chosen on dev.
     if config.checkpoint_eval_steps:
         if 0 not in checkpoint_choice.saved_steps(run.dir):
@@ -122,6 +126,7 @@ def main(config: GRPOStageConfig, overrides: dict) -> None:
     save_adapter(policy, tokenizer, run)
     metrics["per_step"] = watch_per_step(metrics["log_history"], reward_terms.term_names(reward_funcs))
     metrics["n_prompts"] = len(prompts)
+    metrics["rollouts"] = generation_batches.summary(metrics["log_history"])
     if guard.tripped:  # unfinished on purpose (no DONE): stage 05 must not take this policy
         run.fail({**metrics, "stopped_by_guard": guard.tripped}, guard.tripped)
     tied = [e["frac_reward_zero_std"] for e in metrics["log_history"] if "frac_reward_zero_std" in e]

@@ -219,9 +219,15 @@ def peak_gib(trained: dict | None = None):
     return max(torch.cuda.max_memory_allocated() / GIB, (trained or {}).get("gpu_peak_gib") or 0.0)
 
 
-def step_parts(step_seconds: list[float], timing: dict) -> dict:
-    """Where a GRPO step's time goes, averaged over the steps after the first (its warm-up): the rollout
-    (prefill + decode), the judge's scoring, and the rest (the update and TRL's bookkeeping)."""
+def step_parts(step_seconds: list[float], timing: dict, steps_per_rollout: int = 1) -> dict:
+    """Where a GRPO step's time goes, averaged over the steps after the first rollout's (its warm-up): the
+    rollout (prefill + decode), the judge's scoring, and the rest (the update and TRL's bookkeeping). With
+    `steps_per_rollout` optimiser steps sharing a generation batch (steps_per_generation), its time is
+    spread over them."""
+    k = steps_per_rollout
+    step_seconds = [sum(step_seconds[i:i + k]) / k for i in range(0, len(step_seconds) - k + 1, k)]
+    timing = {**timing, "rollout_s": [s / k for s in timing["rollout_s"]],
+              "reward_s": [s / k for s in timing["reward_s"]]}
     n = len(step_seconds)
     later = slice(1, None) if n > 1 else slice(None)
     per_step = max(len(timing["reward_s"]) // max(n, 1), 1)  # score calls a step
@@ -844,9 +850,14 @@ class Bench:
         from common.reward_terms import WATCH, Term
         from common.rewards import RewardScorer
         over = over if ours else {"rollout_backend": "hf", "gradient_accumulation_steps": 1}
-        cfg = self.config(GRPOStageConfig, "04_train_grpo.yaml", max_steps=steps,
+        cfg = self.config(GRPOStageConfig, "04_train_grpo.yaml", max_steps=steps or 1,
                           max_prompt_tokens=self.max_prompt, **over,
                           **({"max_completion_length": 8, "per_device_train_batch_size": 8} if self.tiny else {}))
+        # steps_per_generation: one generation batch feeds k optimiser steps (k = 1: TRL's default)
+        spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+        k = max(1, spg // cfg.gradient_accumulation_steps)
+        if steps is None:  # two generation batches
+            cfg.max_steps = 2 * k
         pairs = self.work / "pairs"
         pairs.mkdir(parents=True, exist_ok=True)
         lengths = random.Random(4).sample(self.prompt_lengths, min(len(self.prompt_lengths), 256))
@@ -914,7 +925,7 @@ class Bench:
         per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
         times = [t0] + clock.times
         secs = [b - a for a, b in zip(times, times[1:])]
-        timed = secs[1:] or secs  # the first step carries the warm-up
+        timed = secs[k:] or secs  # the first rollout's steps carry the warm-up
         step_s = sum(timed) / len(timed)
         gens = timing["rollout_s"][1:] or timing["rollout_s"]
         # one decode call per rollout when the rollout batch holds the step's completions
@@ -929,7 +940,12 @@ class Bench:
                      "gradient_checkpointing": cfg.gradient_checkpointing,
                      "completions_per_step": per_step, "reward_batch": cfg.reward_batch_size,
                      "lora_dropout": cfg.lora_dropout if ours else MODEL_LORA_DROPOUT,
-                     "generation_batch": per_step, "max_completion_length": cfg.max_completion_length,
+                     "generation_batch": cfg.per_device_train_batch_size * spg, "steps_per_generation": spg,
+                     "generation_batches": len(timing["rollout_s"]),
+                     # TRL's clip ratio over the steps after the first (the bench logs the first step and the end)
+                     "clip_ratio_region_mean": next((h["clip_ratio/region_mean"] for h in trained["log_history"][::-1]
+                                                     if h.get("clip_ratio/region_mean") is not None), None),
+                     "max_completion_length": cfg.max_completion_length,
                      "steps_timed": len(timed), "step_seconds": [round(s, 2) for s in secs],
                      "seconds_per_step": round(step_s, 3),
                      "rollout_seconds": [round(s, 2) for s in timing["rollout_s"]],
@@ -947,7 +963,7 @@ class Bench:
                      "peak_per_step_gib": [m["peak_gib"] for m in trained["gpu_memory_per_step"]],
                      "allocated_at_step_end_gib": [m["allocated_gib"] for m in trained["gpu_memory_per_step"]],
                      "reserved_at_step_end_gib": [m["reserved_gib"] for m in trained["gpu_memory_per_step"]],
-                     "seconds_per_step_parts": step_parts(secs, timing), "patches": built.manifest.get("patches"),
+                     "seconds_per_step_parts": step_parts(secs, timing, k), "patches": built.manifest.get("patches"),
                      "memory_plan": built.manifest.get("memory_plan"),
                      "peak_gib": peak_gib(trained)})
         judge[0].scorer.score = score
@@ -1064,6 +1080,11 @@ class Bench:
             # before the judge scored a step's replies in one row: one padded row a premise, dense SDPA masks
             g("grpo ours judge sdpa", lambda: self.grpo(True, 2 if self.tiny else 3, "grpo_ours_judge_sdpa",
                                                         judge_in_one_row=False), 60)
+            # one generation batch shared by steps_per_generation / gradient_accumulation_steps optimiser steps:
+            # two generation batches each, the first one's steps not timed
+            for spg in [int(n) for n in self.args.grpo_steps_per_generation.split(",") if n]:
+                g(f"grpo ours spg {spg}", lambda spg=spg: self.grpo(True, None, f"grpo_ours_spg_{spg}",
+                                                                    steps_per_generation=spg), 60 * max(1, spg // 4))
             grpo = [r for r in self.results["rows"] if r["name"] == "grpo_ours_20gib"]
             if grpo and (grpo[0]["peak_gib"] or 0) > 19.5:  # over the 24 GB card's budget: half the rollout batch
                 g("grpo ours rollout 32", lambda: self.grpo(True, 3, memory_budget_gib=20.0, rollout_batch_size=32), 60)
@@ -1205,6 +1226,9 @@ def main(argv=None):
     ap.add_argument("--long_tokens", type=int, default=32768)
     ap.add_argument("--grpo_steps", type=int, default=3, help="optimiser steps of the 'grpo ours' row (20: does "
                     "its memory stay flat?)")
+    ap.add_argument("--grpo_steps_per_generation", default="", help="GRPO rows 'grpo ours spg N', one for each "
+                    "steps_per_generation N listed (TRL's: micro-batches a generation batch feeds; the llama3-8b recipe "
+                    "has 4 a step, so 4,8,16 share one over 1, 2 and 4 optimiser steps)")
     ap.add_argument("--review_steps", type=int, default=4, help="review_sft / review_dpo: optimiser steps "
                     "of one sequence (one pair) each; the first is not timed")
     ap.add_argument("--review_gen_batches", default="1,2,4,8,16", help="review_gen: batch sizes, in order, "

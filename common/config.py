@@ -510,6 +510,13 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         "static", "static: common/fast/static_decoder.py's decoder (static KV cache, one CUDA graph a token, unmerged "
         "LoRA); hf: TRL's transformers generate", plain="hf")
     rollout_batch_size: int = arg(64, "sequences sampled at once by the static decoder", ge=1, plain=KEPT)
+    steps_per_generation: int | None = arg(
+        None, "TRL's steps_per_generation: the micro-batches one generation batch feeds, so that "
+        "per_device_train_batch_size x this completions (per process) are sampled at once and reused on the next "
+        "steps; null: TRL's default, gradient_accumulation_steps (one generation batch per optimiser step, sampled "
+        "by the policy it updates, as before this field). k x gradient_accumulation_steps shares a batch over k "
+        "optimiser steps: the later ones clip their importance ratio to the sampling policy's log-probs (TRL's "
+        "epsilon; clip_ratio/* in the log, metrics.json rollouts)", ge=1)
     rollout_weights: Literal["nf4", "bf16"] = arg(
         "nf4", "static rollouts: nf4 samples on the 4-bit base as it trains; bf16 on a bf16 copy of the frozen "
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
@@ -581,11 +588,15 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         if self.rollout_weights == "bf16" and self.rollout_backend != "static":
             raise ConfigError("rollout_weights: bf16 is for the static decoder (rollout_backend: static)",
                               "rollout_weights")
-        # TRL samples per_device x accumulation x processes completions at once, in whole groups.
-        sampled = self.per_device_train_batch_size * self.gradient_accumulation_steps * int(os.environ.get("WORLD_SIZE", 1))
+        # TRL samples per_device x steps_per_generation (its default: accumulation) x processes completions at
+        # once, in whole groups.
+        steps, field = (self.steps_per_generation, "steps_per_generation") if self.steps_per_generation else \
+            (self.gradient_accumulation_steps, "gradient_accumulation_steps")
+        sampled = self.per_device_train_batch_size * steps * int(os.environ.get("WORLD_SIZE", 1))
         if sampled % self.num_generations:
-            raise ConfigError(f"per_device_train_batch_size x gradient_accumulation_steps (x processes) = {sampled} "
-                              f"must be a multiple of num_generations = {self.num_generations}", "num_generations")
+            raise ConfigError(f"per_device_train_batch_size x {field} (x processes) = {sampled} "
+                              f"must be a multiple of num_generations = {self.num_generations}",
+                              "steps_per_generation" if self.steps_per_generation else "num_generations")
 
 
 @dataclass

@@ -64,6 +64,8 @@ NAMES = [
             params=("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                     "compute_entropy", "compute_aux_loss")),
     Private("trl", GRPO, "_generate", "bench/bench.py: wrapped to time GRPO's rollouts"),
+    Private("trl", GRPO, "_generate_and_score_completions",
+            "generation_batches.GenerationBatches: wrapped to count the generation batches", params=("self", "inputs")),
     Private("trl", "trl.trainer.utils", "split_tensor_dict", "shared_prompt.share_grpo_prompts: re-cut micro-batches",
             params=("tensor_dict", "num_chunks")),
     Private("trl", "trl.trainer.utils", "add_fused_lm_head",

@@ -102,6 +102,9 @@ def test_a_reward_added_as_a_function_and_two_yaml_lines_drives_grpo(grpo_with_t
                                                     step["reward/fluency"] + 0.5 * step["reward/shorter"], abs=1e-3)
         assert step["distinct_2"] is not None and step["premise_overlap"] is not None
     assert any("kl" in h for h in metrics["log_history"])  # beta > 0: TRL's KL to the start, static rollouts
+    # steps_per_generation at TRL's default: a generation batch a step, each step on the policy that sampled it
+    assert metrics["rollouts"]["generation_batches"] == 2 and metrics["rollouts"]["steps_per_generation"] == 1
+    assert metrics["rollouts"]["clip_ratio_region_max"] == 0
     rows = [json.loads(line) for line in (run / "reference_replies.jsonl").read_text().splitlines()]
     assert rows and manifest["reference_replies_sha256"] and "reference_replies.jsonl" in manifest["artifacts"]
 
