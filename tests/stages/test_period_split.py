@@ -165,7 +165,19 @@ def test_judges_later_posts_script_runs_on_the_cpu(tmp_path, tiny_model):
         assert isinstance(row["meets_target_on_later_posts"], bool)
     default = [n for n, row in summary["judges"].items() if row.get("default")]
     ranked = sorted(names, key=lambda n: -summary["judges"][n]["dev_later"]["accuracy"])  # single judges only
-    assert default == ranked[:1] and proc.stdout.strip().splitlines()[-1].startswith(f"best: {ranked[0]} ")
+    assert len(default) == 1 and proc.stdout.strip().splitlines()[-1].startswith(f"best: {default[0]} ")
+    # the training judge: the best on dev_later of those that pass the gibberish audit; where none passes (a tiny
+    # judge), the hardest to fool of those level with the best on dev_later
+    shares = {n: summary["judges"][n]["gibberish_dev_later"] or 0.0 for n in names}
+    passing = [n for n in ranked if shares[n] >= 0.98]
+    if passing:
+        assert default == passing[:1]
+    else:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from judges_later_posts import level_with
+        run = {n: tmp_path / "my runs" / summary["judges"][n]["run"] for n in names}
+        level = [ranked[0]] + [n for n in ranked[1:] if level_with(run[n], run[ranked[0]])]
+        assert default[0] in level and shares[default[0]] == max(shares[n] for n in level)
     assert len(summary["judges"]["ensemble"]["runs"]) == 2
     # The conservative ensembles are of the two best single judges on dev_later.
     members = json.loads((tmp_path / "my runs" / "Judge_ensemble_min_best2" / "ensemble.json").read_text())["members"]
