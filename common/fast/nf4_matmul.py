@@ -41,6 +41,7 @@ Under TRITON_INTERPRET=1 (set before triton is imported) it runs on CPU tensors 
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -159,6 +160,14 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def runs_on(device) -> bool:
+    """Whether nf4_matmul can run on `device`: a GPU with Triton, or the CPU under Triton's interpreter."""
+    device = torch.device(device)
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def splits(K: int, config: Config) -> tuple[int, int]:
     """(the split-K count that runs, K tiles a split): config.split_k slices of whole K tiles, none empty (so
     at most one a tile)."""
@@ -217,6 +226,12 @@ def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64,
                                  or residual.data_ptr() == out.data_ptr()):
         raise ValueError(f"residual {tuple(residual.shape)}: ({M}, {N}) with unit column stride, not out")
     if M == 0:
+        return out
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        # Triton's interpreter multiplies bf16's raw bits in tl.dot: on the CPU (tests, the tiny model) run in
+        # fp32 (the weights unrounded) and round the result
+        res32 = residual.float() if residual is not None else None
+        out.copy_(nf4_matmul(x.float(), packed, absmax, code, N, K, blocksize, config, residual=res32))
         return out
     split, per_split = splits(K, config)
     block_m = max(16, triton.next_power_of_2(min(M, 64)))
