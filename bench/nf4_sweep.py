@@ -101,8 +101,8 @@ def _compile(job):
         absmax = torch.rand(256 * k // 64, device="cuda")
         code = torch.linspace(-1, 1, 16, device="cuda")
         c = Config(**config)
-        nf4_matmul(x, packed, absmax, code, 256, k, config=c)
-        nf4_matmul(x, packed, absmax, code, 256, k, config=c._replace(split_k=k // c.block_k))
+        nf4_matmul(x, packed, absmax, code, 256, k, launch=c)
+        nf4_matmul(x, packed, absmax, code, 256, k, launch=c._replace(split_k=k // c.block_k))
         torch.cuda.synchronize()
         return None
     except Exception as e:  # the sweep's own call will record it
@@ -261,8 +261,8 @@ class Sweep:
 
                 def fused(config, x=x, y=y, m=m, ref=ref):
                     entry = self.measure("nf4_matmul", n, k, m, [
-                        lambda p=p, a=a: nf4_matmul(x, p, a, qs.code, n, k, config=config, out=y) for p, a in ws],
-                        lambda: self.rel_diff(nf4_matmul(x, *ws[0], qs.code, n, k, config=config, out=y), ref),
+                        lambda p=p, a=a: nf4_matmul(x, p, a, qs.code, n, k, launch=config, out=y) for p, a in ws],
+                        lambda: self.rel_diff(nf4_matmul(x, *ws[0], qs.code, n, k, launch=config, out=y), ref),
                         config=config._asdict(), splits=splits(k, config)[0])
                     if entry["us"] and (best.get((n, k, m)) is None or entry["us"] < best[(n, k, m)]["us"]):
                         best[(n, k, m)] = entry

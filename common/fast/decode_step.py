@@ -141,9 +141,9 @@ class _Group:
         if plans:  # each packed weight read once by nf4_matmul, no bf16 buffer
             y = torch.empty(x.shape[0], sum(self.sizes), dtype=x.dtype, device=x.device)
             o0 = 0
-            for (linear, absmax), size, config in zip(self.bases, self.sizes, plans):
+            for (linear, absmax), size, launch in zip(self.bases, self.sizes, plans):
                 qs = linear.weight.quant_state
-                nf4_matmul(x, linear.weight.data, absmax, qs.code, size, self.in_features, qs.blocksize, config,
+                nf4_matmul(x, linear.weight.data, absmax, qs.code, size, self.in_features, qs.blocksize, launch,
                            out=y[:, o0:o0 + size], residual=None if residual is None else residual[:, o0:o0 + size])
                 o0 += size
         else:

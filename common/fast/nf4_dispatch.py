@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError
-from common.fast.nf4_matmul import Config, check_config
+from common.fast.nf4_matmul import Config, check_launch
 
 VERSION = 1
 PATHS = ("nf4_matmul", "dequantize")
@@ -61,16 +61,16 @@ def read_table(path: str | Path) -> Table:
             N, K, M, kind = int(e["N"]), int(e["K"]), int(e["M"]), e["path"]
             if kind not in PATHS:
                 raise ValueError(f"path {kind!r}: one of {', '.join(PATHS)}")
-            config = None
+            launch = None
             if kind == "nf4_matmul":
-                config = Config(**e["config"])
-                check_config(config, K, 64)
+                launch = Config(**e["config"])
+                check_launch(launch, K, 64)
         except (KeyError, TypeError, ValueError) as err:
             raise bad(f"entries[{i}]: {type(err).__name__} {err}") from None
         rows = table.shapes.setdefault((N, K), [])
         if any(m == M for m, _ in rows):
             raise bad(f"entries[{i}]: N {N}, K {K}, M {M} given twice")
-        rows.append((M, config))
+        rows.append((M, launch))
         rows.sort(key=lambda r: r[0])
     return table
 

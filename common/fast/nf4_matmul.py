@@ -168,45 +168,45 @@ def runs_on(device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def splits(K: int, config: Config) -> tuple[int, int]:
-    """(the split-K count that runs, K tiles a split): config.split_k slices of whole K tiles, none empty (so
+def splits(K: int, launch: Config) -> tuple[int, int]:
+    """(the split-K count that runs, K tiles a split): launch.split_k slices of whole K tiles, none empty (so
     at most one a tile)."""
-    tiles = -(-K // config.block_k)
-    per_split = -(-tiles // max(1, config.split_k))
+    tiles = -(-K // launch.block_k)
+    per_split = -(-tiles // max(1, launch.split_k))
     return -(-tiles // per_split), per_split
 
 
-def check_config(config: Config, K: int, blocksize: int) -> None:
-    """ValueError naming what is wrong with `config` for in_features K."""
-    bk = config.block_k
-    if config.lut not in LUTS:
-        raise ValueError(f"lut {config.lut!r}: one of {', '.join(LUTS)}")
+def check_launch(launch: Config, K: int, blocksize: int) -> None:
+    """ValueError naming what is wrong with `launch` for in_features K."""
+    bk = launch.block_k
+    if launch.lut not in LUTS:
+        raise ValueError(f"lut {launch.lut!r}: one of {', '.join(LUTS)}")
     if bk < blocksize or bk % blocksize or bk & (bk - 1):
         raise ValueError(f"block_k {bk}: a power-of-two multiple of the quant blocksize {blocksize}")
-    if config.block_n < 16 or config.block_n & (config.block_n - 1):
-        raise ValueError(f"block_n {config.block_n}: a power of two >= 16")
-    if config.split_k < 1 or config.num_warps < 1 or config.num_stages < 1:
-        raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {config}")
+    if launch.block_n < 16 or launch.block_n & (launch.block_n - 1):
+        raise ValueError(f"block_n {launch.block_n}: a power of two >= 16")
+    if launch.split_k < 1 or launch.num_warps < 1 or launch.num_stages < 1:
+        raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {launch}")
 
 
-def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64, config: Config | None = None,
+def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64, launch: Config | None = None,
                out=None, residual=None) -> torch.Tensor:
     """x (M, K) @ W^T (+ residual) for the NF4 weight W (packed, fp32 absmax, code) of shape (out_features,
     in_features), in x's dtype.
 
     out: None or an (M, N) tensor with unit column stride (a column slice of a wider buffer works); written and
-    returned. residual: None or (M, N), not out. config: the launch (`Config()` if None). K must be a multiple
-    of blocksize (a quant block may not straddle two rows) but not of config.block_k: the last tile is masked.
+    returned. residual: None or (M, N), not out. launch: the configuration (`Config()` if None). K must be a multiple
+    of blocksize (a quant block may not straddle two rows) but not of launch.block_k: the last tile is masked.
     The first call per shape and configuration compiles; capture CUDA graphs after it (the split-K workspace is
     a torch.empty, which a graph's pool serves)."""
     if triton is None:
         raise RuntimeError("nf4_matmul needs triton (not installed)")
-    config = config or Config()
+    launch = launch or Config()
     N, K = out_features, in_features
     M = x.shape[0]
     if K % blocksize or blocksize % 8:
         raise ValueError(f"in_features {K}: a multiple of the quant blocksize {blocksize} (itself a multiple of 8)")
-    check_config(config, K, blocksize)
+    check_launch(launch, K, blocksize)
     if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)}: (M, {K}) with contiguous rows")
     if packed.dtype != torch.uint8 or packed.numel() * 2 != N * K or not packed.is_contiguous():
@@ -231,18 +231,18 @@ def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64,
         # Triton's interpreter multiplies bf16's raw bits in tl.dot: on the CPU (tests, the tiny model) run in
         # fp32 (the weights unrounded) and round the result
         res32 = residual.float() if residual is not None else None
-        out.copy_(nf4_matmul(x.float(), packed, absmax, code, N, K, blocksize, config, residual=res32))
+        out.copy_(nf4_matmul(x.float(), packed, absmax, code, N, K, blocksize, launch, residual=res32))
         return out
-    split, per_split = splits(K, config)
+    split, per_split = splits(K, launch)
     block_m = max(16, triton.next_power_of_2(min(M, 64)))
     res = residual if residual is not None else out  # never read without HAS_RESIDUAL
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(N, config.block_n), split, triton.cdiv(M, block_m))
+    grid = (triton.cdiv(N, launch.block_n), split, triton.cdiv(M, block_m))
     _nf4_splitk_kernel[grid](x, words, absmax, code, out, res, ws, M, N, K, x.stride(0), out.stride(0),
-                             res.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                             BLOCK_K=config.block_k, QBLOCK=blocksize, LUT_SELECT=config.lut == "select",
+                             res.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+                             BLOCK_K=launch.block_k, QBLOCK=blocksize, LUT_SELECT=launch.lut == "select",
                              SPLIT=split > 1, HAS_RESIDUAL=residual is not None,
-                             num_warps=config.num_warps, num_stages=config.num_stages)
+                             num_warps=launch.num_warps, num_stages=launch.num_stages)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, block),)](ws, out, res, M, N, split, out.stride(0), res.stride(0),

@@ -53,7 +53,7 @@ def test_matches_dequantize_then_matmul(nm, split_k, lut):
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     config = nm.Config(block_n=32, block_k=64, split_k=split_k, lut=lut, num_stages=1)
     assert nm.splits(256, config) == (split_k, 4 // split_k)
-    y = nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, config=config)
+    y = nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, launch=config)
     assert y.shape == (4, 64) and y.dtype == x.dtype
     assert rel_err(y, reference(x, packed, qs)) < TOL[torch.float32]
 
@@ -68,7 +68,7 @@ def test_k_tail_rows_past_n_fp16_residual_and_column_slice(nm, split_k):
     residual = torch.randn(m, n, generator=torch.Generator().manual_seed(4)).to(DEVICE).half()
     buf = torch.full((m, 2 * n), 7.0, device=DEVICE, dtype=torch.float16)
     config = nm.Config(block_n=64, block_k=128, split_k=split_k, num_stages=1)
-    y = nm.nf4_matmul(x, packed, absmax, qs.code, n, k, config=config, out=buf[:, n:], residual=residual)
+    y = nm.nf4_matmul(x, packed, absmax, qs.code, n, k, launch=config, out=buf[:, n:], residual=residual)
     assert y.data_ptr() == buf[:, n:].data_ptr() and (buf[:, :n] == 7).all()
     assert rel_err(y.float() - residual.float(), reference(x, packed, qs)) < TOL[torch.float16]
 
@@ -81,7 +81,7 @@ def test_weights_are_bitsandbytes_values_bit_for_bit(nm, lut):
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     packed, absmax, qs = quantized(64, 256, seed=5)
     x = torch.eye(256, device=DEVICE, dtype=dtype)
-    y = nm.nf4_matmul(x[:64], packed, absmax, qs.code, 64, 256, config=nm.Config(32, 128, 2, lut=lut, num_stages=1))
+    y = nm.nf4_matmul(x[:64], packed, absmax, qs.code, 64, 256, launch=nm.Config(32, 128, 2, lut=lut, num_stages=1))
     assert torch.equal(y, F.dequantize_4bit(packed, qs).to(dtype).T[:64])
 
 
@@ -89,14 +89,14 @@ def test_split_k_sum_is_deterministic_and_wrong_inputs_show(nm):
     packed, absmax, qs = quantized(64, 256, seed=6)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     config = nm.Config(32, 64, 4, num_stages=1)
-    first = nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, config=config)
-    assert torch.equal(first, nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, config=config))
+    first = nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, launch=config)
+    assert torch.equal(first, nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, launch=config))
     ref = reference(x, packed, qs)
     bad = absmax.clone()
     bad[37] *= 2  # one quant block's scale
-    assert rel_err(nm.nf4_matmul(x, packed, bad, qs.code, 64, 256, config=config), ref) > 1e-2
+    assert rel_err(nm.nf4_matmul(x, packed, bad, qs.code, 64, 256, launch=config), ref) > 1e-2
     swapped = (packed << 4) | (packed >> 4)  # the two codes of each byte
-    assert rel_err(nm.nf4_matmul(x, swapped, absmax, qs.code, 64, 256, config=config), ref) > 1e-1
+    assert rel_err(nm.nf4_matmul(x, swapped, absmax, qs.code, 64, 256, launch=config), ref) > 1e-1
 
 
 def test_bf16_on_the_cpu_runs_in_fp32(nm):
@@ -104,7 +104,7 @@ def test_bf16_on_the_cpu_runs_in_fp32(nm):
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
     if DEVICE == "cuda":
         pytest.skip("the CPU fallback for the interpreter's bf16")
-    y = nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, config=nm.Config(32, 128, 2, num_stages=1))
+    y = nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, launch=nm.Config(32, 128, 2, num_stages=1))
     assert y.dtype == torch.bfloat16 and rel_err(y, reference(x, packed, qs)) < TOL[torch.bfloat16]
 
 
@@ -115,7 +115,7 @@ def test_refusals_name_what_is_wrong(nm):
                           (nm.Config(block_n=48), "block_n 48"), (nm.Config(lut="pair"), "lut 'pair'"),
                           (nm.Config(split_k=0), "split_k")]:
         with pytest.raises(ValueError, match=match):
-            nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, config=config)
+            nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, launch=config)
     with pytest.raises(ValueError, match="in_features 96: a multiple of the quant blocksize 64"):
         nm.nf4_matmul(torch.randn(2, 96, device=DEVICE), packed[:64 * 48], absmax[:96], qs.code, 64, 96)
     with pytest.raises(ValueError, match="absmax"):
@@ -250,7 +250,7 @@ def test_llama_shapes_bf16_gpu(nm, n, k, m):
     x = torch.randn(m, k, device="cuda").bfloat16()
     ref = reference(x, packed, qs)
     for config in (nm.Config(), nm.Config(64, 128, 8, 4, 3, "memory"), nm.Config(256, 128, 1, 8, 2)):
-        y = nm.nf4_matmul(x, packed, absmax, qs.code, n, k, config=config)
+        y = nm.nf4_matmul(x, packed, absmax, qs.code, n, k, launch=config)
         assert y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16], config
 
 
@@ -264,10 +264,10 @@ def test_cuda_graph_with_residual_gpu(nm):
     residual = torch.randn(64, n, device="cuda").bfloat16()
     out = torch.empty(64, n, device="cuda", dtype=torch.bfloat16)
     config = nm.Config(128, 256, 4)
-    nm.nf4_matmul(x, packed, absmax, qs.code, n, k, config=config, out=out, residual=residual)
+    nm.nf4_matmul(x, packed, absmax, qs.code, n, k, launch=config, out=out, residual=residual)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        nm.nf4_matmul(x, packed, absmax, qs.code, n, k, config=config, out=out, residual=residual)
+        nm.nf4_matmul(x, packed, absmax, qs.code, n, k, launch=config, out=out, residual=residual)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
