@@ -42,13 +42,50 @@ Under TRITON_INTERPRET=1 (set before triton is imported) it runs on CPU tensors 
 from __future__ import annotations
 
 import os
+import struct
 from typing import NamedTuple
 
 import torch
 
 from common.fast.nf4_dequantize import available, triton  # noqa: F401 (available: this module's too)
 
-LUTS = ("select", "memory")
+LUTS = ("select", "memory", "prmt")
+# bitsandbytes' NF4 code (`get_4bit_type("nf4")`), which lut "prmt" holds as immediates
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def _prmt_asm(code) -> str:
+    """PTX for lut "prmt": 4 codes (one a byte of $4) -> their 4 fp32 values ($0-$3), by byte permutes from
+    registers. Byte plane j of the 16 values is 4 words (entries 0-3, 4-7, 8-11, 12-15); `prmt` picks a byte
+    for each of the 4 codes from 8 entries by the code's low 3 bits, twice (entries 0-7 and 8-15), and bit 3
+    selects between the two; 4 planes, then a 4x4 byte transpose: about 7 instructions a code, no memory."""
+    words = [struct.unpack("<I", struct.pack("<f", v))[0] for v in code]
+
+    def plane(j, first):
+        return sum(((words[first + e] >> (8 * j)) & 0xFF) << (8 * e) for e in range(4))
+    lines = ["{", ".reg .b32 t, s, s7, m, z, f, a, b, c, d, lo, hi, p0, p1, p2, p3;",
+             "mov.b32 z, 0;", "mov.b32 f, 0xFFFFFFFF;",
+             # the 4 codes as the 4 selector nibbles of s: byte 0 of (x | x >> 4) holds codes 0 and 1, byte 2 codes 2, 3
+             "shr.b32 t, $4, 4;", "or.b32 t, t, $4;", "prmt.b32 s, t, z, 0x0020;",
+             "and.b32 s7, s, 0x7777;",
+             # m: byte i all ones where code i >= 8 (selector nibble 4 picks f's byte, 0 picks z's)
+             "and.b32 t, s, 0x8888;", "shr.b32 t, t, 1;", "prmt.b32 m, z, f, t;"]
+    for j in range(4):
+        lines += [f"mov.b32 a, {plane(j, 0):#010x};", f"mov.b32 b, {plane(j, 4):#010x};", "prmt.b32 lo, a, b, s7;",
+                  f"mov.b32 a, {plane(j, 8):#010x};", f"mov.b32 b, {plane(j, 12):#010x};", "prmt.b32 hi, a, b, s7;",
+                  "xor.b32 t, lo, hi;", "and.b32 t, t, m;", f"xor.b32 p{j}, lo, t;"]
+    lines += ["prmt.b32 a, p0, p1, 0x5140;", "prmt.b32 b, p0, p1, 0x7362;",
+              "prmt.b32 c, p2, p3, 0x5140;", "prmt.b32 d, p2, p3, 0x7362;",
+              "prmt.b32 $0, a, c, 0x5410;", "prmt.b32 $1, a, c, 0x7632;",
+              "prmt.b32 $2, b, d, 0x5410;", "prmt.b32 $3, b, d, 0x7632;", "}"]
+    return "\n".join(lines)
+
+
+PRMT_ASM = _prmt_asm(NF4)
+_LUT_IDS = {"memory": 0, "select": 1, "prmt": 2}  # the kernel's LUT
+_NF4_CHECKED: dict = {}
 
 
 class Config(NamedTuple):
@@ -82,8 +119,8 @@ if triton is not None:
     def _nf4_splitk_kernel(x_ptr, words_ptr, absmax_ptr, code_ptr, out_ptr, res_ptr, ws_ptr,
                            M, N, K, stride_xm, stride_om, stride_rm, tiles_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           QBLOCK: tl.constexpr, LUT_SELECT: tl.constexpr, SPLIT: tl.constexpr,
-                           HAS_RESIDUAL: tl.constexpr):
+                           QBLOCK: tl.constexpr, LUT: tl.constexpr, SPLIT: tl.constexpr,
+                           HAS_RESIDUAL: tl.constexpr, LUT_ASM: tl.constexpr = ""):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -101,7 +138,7 @@ if triton is not None:
         a_ptrs = absmax_ptr + n[:, None] * (K // QBLOCK) + q[None, :]
         kk = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + m[None, :] * stride_xm + kk[:, None]  # x^T tile (BLOCK_K, BLOCK_M)
-        if LUT_SELECT:  # the 16 codes as scalars, in registers for the whole loop
+        if LUT == 1:  # the 16 codes as scalars, in registers for the whole loop
             c0 = tl.load(code_ptr + 0)
             c1 = tl.load(code_ptr + 1)
             c2 = tl.load(code_ptr + 2)
@@ -129,8 +166,11 @@ if triton is not None:
             wd = tl.load(w_ptrs + k0 // 8, mask=n_mask[:, None, None] & q_ok[None, :, None], other=0)
             a = tl.load(a_ptrs + k0 // QBLOCK, mask=n_mask[:, None] & q_ok[None, :], other=0.0)
             nib = (wd[:, :, :, None] >> shifts[None, None, None, :]) & 15  # (BLOCK_N, NQ, WQ, 8)
-            if LUT_SELECT:
+            if LUT == 1:
                 v = _select16(nib, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+            elif LUT == 2:
+                v = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [nib.to(tl.uint8)], dtype=tl.float32,
+                                              is_pure=True, pack=4)
             else:
                 v = tl.load(code_ptr + nib)
             wt = tl.reshape(v * a[:, :, None, None], (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
@@ -189,6 +229,21 @@ def check_launch(launch: Config, K: int, blocksize: int) -> None:
         raise ValueError(f"split_k, num_warps and num_stages must be >= 1: {launch}")
 
 
+def _check_prmt(code) -> None:
+    """lut "prmt" holds bitsandbytes' NF4 code as immediates: refuse another code, or the interpreter (no PTX).
+    Checked once per code tensor (a device sync), so that a captured CUDA graph never checks."""
+    if code.device.type != "cuda":
+        raise ValueError("lut 'prmt' runs PTX: a GPU only (the interpreter cannot run it)")
+    key = (code.data_ptr(), code._version)
+    if key not in _NF4_CHECKED:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("nf4_matmul(lut='prmt'): make one eager call before capturing a CUDA graph")
+        if not torch.equal(code.cpu(), torch.tensor(NF4)):
+            raise ValueError("lut 'prmt' holds bitsandbytes' NF4 code; this code differs (use lut 'select')")
+        _NF4_CHECKED[key] = code  # held, so that its address is not reused while the entry lives
+    return None
+
+
 def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64, launch: Config | None = None,
                out=None, residual=None) -> torch.Tensor:
     """x (M, K) @ W^T (+ residual) for the NF4 weight W (packed, fp32 absmax, code) of shape (out_features,
@@ -233,6 +288,8 @@ def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64,
         res32 = residual.float() if residual is not None else None
         out.copy_(nf4_matmul(x.float(), packed, absmax, code, N, K, blocksize, launch, residual=res32))
         return out
+    if launch.lut == "prmt":
+        _check_prmt(code)
     split, per_split = splits(K, launch)
     block_m = max(16, triton.next_power_of_2(min(M, 64)))
     res = residual if residual is not None else out  # never read without HAS_RESIDUAL
@@ -240,8 +297,9 @@ def nf4_matmul(x, packed, absmax, code, out_features, in_features, blocksize=64,
     grid = (triton.cdiv(N, launch.block_n), split, triton.cdiv(M, block_m))
     _nf4_splitk_kernel[grid](x, words, absmax, code, out, res, ws, M, N, K, x.stride(0), out.stride(0),
                              res.stride(0), per_split, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-                             BLOCK_K=launch.block_k, QBLOCK=blocksize, LUT_SELECT=launch.lut == "select",
+                             BLOCK_K=launch.block_k, QBLOCK=blocksize, LUT=_LUT_IDS[launch.lut],
                              SPLIT=split > 1, HAS_RESIDUAL=residual is not None,
+                             LUT_ASM=PRMT_ASM if launch.lut == "prmt" else "",
                              num_warps=launch.num_warps, num_stages=launch.num_stages)
     if split > 1:
         block = 1024

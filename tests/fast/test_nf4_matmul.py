@@ -73,7 +73,7 @@ def test_k_tail_rows_past_n_fp16_residual_and_column_slice(nm, split_k):
     assert rel_err(y.float() - residual.float(), reference(x, packed, qs)) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("lut", ["select", "memory"])
+@pytest.mark.parametrize("lut", ["select", "memory", pytest.param("prmt", marks=pytest.mark.gpu)])
 def test_weights_are_bitsandbytes_values_bit_for_bit(nm, lut):
     """x the identity: out = W^T, each weight as bitsandbytes dequantises it (fp32 on the CPU, bf16 on a GPU):
     catches a wrong nibble order, scale or table that a tolerance could miss."""
@@ -249,7 +249,7 @@ def test_llama_shapes_bf16_gpu(nm, n, k, m):
     packed, absmax, qs = quantized(n, k, device="cuda")
     x = torch.randn(m, k, device="cuda").bfloat16()
     ref = reference(x, packed, qs)
-    for config in (nm.Config(), nm.Config(64, 128, 8, 4, 3, "memory"), nm.Config(256, 128, 1, 8, 2)):
+    for config in (nm.Config(), nm.Config(64, 128, 8, 4, 3, "memory"), nm.Config(256, 128, 1, 8, 2, "prmt")):
         y = nm.nf4_matmul(x, packed, absmax, qs.code, n, k, launch=config)
         assert y.dtype == torch.bfloat16 and rel_err(y, ref) < TOL[torch.bfloat16], config
 
@@ -272,3 +272,61 @@ def test_cuda_graph_with_residual_gpu(nm):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out.float() - residual.float(), reference(x, packed, qs)) < 2e-2
+
+
+def run_ptx(asm, inputs):
+    """A model of the few PTX instructions lut "prmt" uses (mov, shr, or, and, xor, prmt in its default mode, per
+    the PTX ISA: result byte i is byte (nibble i of c) & 7 of {b:a}, or that byte's sign replicated when the
+    nibble's bit 3 is set), run on 32-bit operands: `inputs` {"$4": word}; returns the registers."""
+    regs = dict(inputs)
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0) & 0xFFFFFFFF
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        v = [val(x) for x in src]
+        if op == "prmt.b32":
+            pool = v[0] | (v[1] << 32)
+            out = 0
+            for i in range(4):
+                sel = (v[2] >> (4 * i)) & 15
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+        else:
+            out = {"mov.b32": lambda: v[0], "shr.b32": lambda: v[0] >> v[1], "or.b32": lambda: v[0] | v[1],
+                   "and.b32": lambda: v[0] & v[1], "xor.b32": lambda: v[0] ^ v[1]}[op]()
+        regs[d] = out & 0xFFFFFFFF
+    return regs
+
+
+def test_prmt_lookup_gives_the_nf4_values_in_a_ptx_model(nm):
+    """lut "prmt"'s PTX, run by a model of its instructions: every code in every byte position gives its fp32 NF4
+    value bit for bit (the GPU tests run the PTX itself); and the table is bitsandbytes' NF4 code."""
+    import struct
+
+    import bitsandbytes.functional as F
+    assert torch.equal(torch.tensor(nm.NF4), F.get_4bit_type("nf4", device="cpu"))
+    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in nm.NF4]
+    g = torch.Generator().manual_seed(0)
+    quads = [(c, c, c, c) for c in range(16)] + [tuple(torch.randint(0, 16, (4,), generator=g).tolist())
+                                                 for _ in range(200)]
+    for quad in quads:
+        regs = run_ptx(nm.PRMT_ASM, {"$4": sum(c << (8 * i) for i, c in enumerate(quad))})
+        assert [regs[f"${i}"] for i in range(4)] == [bits[c] for c in quad], quad
+    wrong = run_ptx(nm._prmt_asm(nm.NF4[::-1]), {"$4": 0})  # another table gives other values
+    assert wrong["$0"] != bits[0]
+
+
+def test_prmt_is_refused_off_a_gpu_and_for_another_code(nm):
+    packed, absmax, qs = quantized(64, 256)
+    x = torch.randn(2, 256, device=DEVICE)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="a GPU only"):
+            nm.nf4_matmul(x, packed, absmax, qs.code, 64, 256, launch=nm.Config(lut="prmt"))
+    else:
+        with pytest.raises(ValueError, match="this code differs"):
+            nm.nf4_matmul(x, packed, absmax, qs.code.flip(0).contiguous(), 64, 256, launch=nm.Config(lut="prmt"))
