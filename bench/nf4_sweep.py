@@ -17,11 +17,12 @@ and the bf16 lm_head (128256 x 4096, cuBLAS) for the table only. Each timing is 
 over enough weight copies that they do not fit in L2 (>= 256 MB of packed bytes), as bench/bench_nf4_matmul.py.
 
 The grid, bounded so that the whole run fits its budget: stage 1 times (BLOCK_N, BLOCK_K) in {64x128, 64x256,
-128x128, 128x256, 256x128} x lut {select, memory} at 3 stages and num_warps by tile size (4 up to 64x128, else
+128x128, 128x256, 256x128} x lut {select, memory, prmt} at 3 stages and num_warps by tile size (4 up to 64x128, else
 8), each at the power-of-two split-K values that give between half a wave and 6 waves of programs on the GPU's
 SMs (at most 5 of them); stage 2 takes each (shape, M)'s best and varies num_warps (4, 8), num_stages (2, 3, 4)
 and split-K (halved, doubled). Triton compiles once per (tile, lut, warps, stages, BLOCK_M): N, K and the split
-count are run-time arguments. --budget seconds bound the grid; what is left is recorded as skipped.
+count are run-time arguments; all of them are compiled first, in parallel processes. --budget seconds bound
+the grid, each (shape, M) getting an equal share of what is left; what does not fit is recorded as skipped.
 
 Writes under --out: `sweep.json` (every timing, rewritten as it goes), `sweep.md` (best configuration per shape
 and M, GB/s on the packed bytes, ratio to dequantise + cuBLAS; the projected base-matmul time a decode step
@@ -63,7 +64,8 @@ LAYER = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 40
 LM_HEAD = (128256, 4096)
 MS = (16, 32, 64)
 TILES = [(64, 128), (64, 256), (128, 128), (128, 256), (256, 128)]
-LUTS = ("select", "memory")
+LUTS = ("select", "memory", "prmt")
+TINY_LUTS = ("select", "memory")  # prmt is PTX: not under the interpreter
 TINY_LAYER = [("q", 64, 256), ("down", 96, 320)]  # 320: a K tail past the 256-column tiles
 TINY_MS = (4,)
 TINY_TILES = [(32, 128)]
@@ -138,7 +140,7 @@ class Sweep:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log_file = (self.out / "progress.log").open("w")
         self.started = time.monotonic()
-        self.deadline = self.started + args.budget
+        self.deadline = self.slot_deadline = self.started + args.budget
         import triton
         self.result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if self.device == "cuda"
                        else "cpu (triton interpreter)", "sms": self.sms, "torch": torch.__version__,
@@ -204,9 +206,10 @@ class Sweep:
         return entry
 
     def measure(self, name, n, k, m, calls, check=None, **extra):
-        """Time `calls` (after `check()`, which returns the max relative difference to the reference or raises)."""
+        """Time `calls` (after `check()`, which returns the max relative difference to the reference or raises).
+        The grid's timings stop at their (shape, M)'s share of the budget, the others at the budget's end."""
         entry = {"kernel": name, "N": n, "K": k, "M": m, **extra, "us": None}
-        if time.monotonic() > self.deadline:
+        if time.monotonic() > (self.slot_deadline if name == "nf4_matmul" else self.deadline):
             entry["skipped"] = "budget spent"
             return self.record(entry, None, n, k)
         try:
@@ -227,6 +230,7 @@ class Sweep:
     def run(self, layer, ms, tiles):
         shapes = sorted({(n, k) for _, n, k in layer}, key=lambda s: s[0] * s[1])
         best = {}  # (n, k, m) -> the best nf4_matmul entry
+        slots = len(shapes) * len(ms)  # each (shape, M) gets an equal share of what is left of the budget
         base = {}  # (n, k, m) -> dequantise + cuBLAS (Triton) us
         for n, k in shapes:
             ws, qs, dense = self.weights(n, k)
@@ -270,7 +274,9 @@ class Sweep:
 
                 # stage 1: tiles x lut x split, default warps and stages
                 tried = set()
-                for (bn, bk), lut in itertools.product(tiles, LUTS):
+                self.slot_deadline = time.monotonic() + (self.deadline - time.monotonic()) / slots
+                slots -= 1
+                for (bn, bk), lut in itertools.product(tiles, TINY_LUTS if self.tiny else LUTS):
                     for s in split_candidates(n, k, bn, bk, self.sms, self.tiny):
                         c = Config(bn, bk, s, warps_for(bn, bk), 3 if not self.tiny else 1, lut)
                         tried.add(c)
@@ -310,14 +316,21 @@ class Sweep:
                  f"`{self.result['command']}`; torch {self.result['torch']}, triton {self.result['triton']}, "
                  f"bitsandbytes {self.result['bitsandbytes']}. Microseconds a call, CUDA graphs over weights beyond "
                  "L2; GB/s on the packed 4-bit bytes.", "",
-                 "| N x K | M | dequantize + cuBLAS | " + " | ".join(others) + " | nf4_matmul best | GB/s | "
+                 "| N x K | M | dequantize + cuBLAS | " + " | ".join(others) + " | "
+                 + " | ".join(f"nf4_matmul {lut}" for lut in LUTS) + " | nf4_matmul best | GB/s | "
                  "vs dequantize + cuBLAS | best config |",
-                 "|---|---|---|" + "---|" * len(others) + "---|---|---|---|"]
+                 "|---|---|---|" + "---|" * (len(others) + len(LUTS)) + "---|---|---|---|"]
+        by_lut = {}  # (lut, n, k, m) -> the best time of nf4_matmul with that lookup
+        for t in self.result["timings"]:
+            if t["us"] and t["kernel"] == "nf4_matmul":
+                key = (t["config"]["lut"], t["N"], t["K"], t["M"])
+                by_lut[key] = min(by_lut.get(key, math.inf), t["us"])
         entries = []
         for n, k in shapes:
             for m in ms:
                 b, d = best.get((n, k, m)), base.get((n, k, m))
-                cells = [f"{n} x {k}", str(m), fmt(d), *(fmt(by.get((o, n, k, m))) for o in others)]
+                cells = [f"{n} x {k}", str(m), fmt(d), *(fmt(by.get((o, n, k, m))) for o in others),
+                         *(fmt(by_lut.get((lut, n, k, m))) for lut in LUTS)]
                 if b:
                     cells += [fmt(b["us"]), f"{b['packed_GBps']:.0f}", f"{d / b['us']:.2f}x" if d else "-",
                               ", ".join(f"{key}={v}" for key, v in b["config"].items())]
