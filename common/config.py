@@ -515,10 +515,10 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
         "sampling and training stay one policy without dequantising every weight each token "
         "(common/fast/decode_step.py)", plain="nf4")
-    nf4_matmul_table: str | None = arg(
-        None, "static nf4 rollouts: a dispatch table (JSON) written by bench/nf4_sweep.py on this GPU; each 4-bit "
+    nf4_matmul_table: str = arg(
+        "", "static nf4 rollouts: a dispatch table (JSON) written by bench/nf4_sweep.py on this GPU; each 4-bit "
         "base matmul it names runs common/fast/nf4_matmul.py's split-K kernel on the packed weights instead of "
-        "dequantising + cuBLAS; null: always dequantise", plain=None)
+        "dequantising + cuBLAS; empty: always dequantise", plain="")
     reward_funcs: list[str] = arg(
         help="GRPO's reward terms, summed with reward_weights (TRL's reward_funcs; each logged as rewards/<name>/mean "
         "and in metrics.json per_step): judge (the --reward_run's raw score), par (sigmoid of the judge's score minus "

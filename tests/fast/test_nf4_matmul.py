@@ -170,7 +170,7 @@ def test_grpo_config_checks_the_table_field(tmp_path):
     with pytest.raises(ConfigError, match="rollout_weights: nf4"):
         GRPOStageConfig(sft_run="s", reward_run="r", nf4_matmul_table=str(table), rollout_weights="bf16")
     assert GRPOStageConfig(sft_run="s", reward_run="r", nf4_matmul_table=str(table),
-                           fast_paths=False).nf4_matmul_table is None
+                           fast_paths=False).nf4_matmul_table == ""
 
 
 @pytest.fixture(scope="module")
