@@ -392,7 +392,7 @@ def main():
     sweep.log(f"{sweep.result['device']}: shapes {sorted({(n, k) for _, n, k in layer})}, M {ms}, budget "
               f"{args.budget:.0f} s; writing {sweep.out}")
     sweep.lm_head(*lm_head, ms)
-    if sweep.device == "cuda":
+    if sweep.device == "cuda" and not args.tiny:
         prewarm(sweep, ms, tiles)
     shapes, best, base = sweep.run(layer, ms, tiles)
     sweep.report(layer, ms, shapes, best, base, lm_head)
