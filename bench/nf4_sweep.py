@@ -92,9 +92,8 @@ def split_candidates(N, K, block_n, block_k, sms, tiny):
 
 
 def _compile(job):
-    """In a worker process: run one nf4_matmul configuration at BLOCK_M for M rows, with several K tiles a split
-    and with one (Triton specialises an int argument equal to 1), so that its binaries land in Triton's disk
-    cache for the sweep's process to load."""
+    """In a worker process: run one nf4_matmul configuration for M rows (split-K too: the sum pass), so that its
+    binaries land in Triton's disk cache for the sweep's process to load."""
     m, config = job
     try:
         k = 4096
@@ -104,18 +103,19 @@ def _compile(job):
         code = torch.linspace(-1, 1, 16, device="cuda")
         c = Config(**config)
         nf4_matmul(x, packed, absmax, code, 256, k, launch=c)
-        nf4_matmul(x, packed, absmax, code, 256, k, launch=c._replace(split_k=k // c.block_k))
+        nf4_matmul(x, packed, absmax, code, 256, k, launch=c._replace(split_k=2))
         torch.cuda.synchronize()
         return None
     except Exception as e:  # the sweep's own call will record it
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def prewarm(sweep, ms, tiles):
-    """Compile every configuration the grid can time (both stages), in parallel worker processes: serially,
+def prewarm(sweep, jobs):
+    """Compile `jobs` ((M, Config) pairs) in parallel worker processes, into Triton's disk cache: serially,
     Triton's compiles would take most of the budget."""
-    jobs = [(m, Config(bn, bk, 1, w, st, lut)._asdict()) for m in ms for (bn, bk) in tiles for lut in LUTS
-            for w in (4, 8) for st in (2, 3, 4)]
+    jobs = sorted((m, c._asdict()) for m, c in jobs)
+    if not jobs:
+        return
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 2, 14))
     sweep.log(f"compiling {len(jobs)} configurations in {workers} processes")
     import concurrent.futures
@@ -228,12 +228,16 @@ class Sweep:
         return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
     def run(self, layer, ms, tiles):
+        """Baselines, then the grid's stage 1 for every (shape, M), then stage 2 around each one's best (its new
+        configurations compiled in parallel first). Each stage's (shape, M) gets an equal share of its budget:
+        stage 1 up to 70% of what is left, stage 2 the rest."""
         shapes = sorted({(n, k) for _, n, k in layer}, key=lambda s: s[0] * s[1])
         best = {}  # (n, k, m) -> the best nf4_matmul entry
-        slots = len(shapes) * len(ms)  # each (shape, M) gets an equal share of what is left of the budget
         base = {}  # (n, k, m) -> dequantise + cuBLAS (Triton) us
+        tried = {}  # (n, k, m) -> the configurations timed
+        cases = {}  # (n, k, m) -> fused(config): times one nf4_matmul configuration
         for n, k in shapes:
-            ws, qs, dense = self.weights(n, k)
+            ws, qs, dense = self.weights(n, k)  # kept to the end: about 300 MB a shape
             buf = torch.empty(n, k, device=self.device, dtype=self.dtype)
             self.log(f"shape {n}x{k}: {len(ws)} weight copies")
             for m in ms:
@@ -241,17 +245,13 @@ class Sweep:
                 y = torch.empty(m, n, device=self.device, dtype=self.dtype)
                 ref = F.linear(x, dense).float()
 
-                def tdq(p, a, x=x):
+                def tdq(p, a, x=x, qs=qs, buf=buf):
                     nf4_dequantize.nf4_dequantize(p, a, qs.code, buf, 64)
-                    return F.linear(x, buf)
-
-                def bdq(p, a, x=x):
-                    buf.copy_(bnbF.dequantize_4bit(p, qs))  # bitsandbytes' own dequantisation, as before 967fc7b
                     return F.linear(x, buf)
                 entry = self.measure("dequantize + cuBLAS", n, k, m, [lambda p=p, a=a: tdq(p, a) for p, a in ws],
                                      lambda: self.rel_diff(tdq(*ws[0]), ref))
                 base[(n, k, m)] = entry["us"]
-                if self.device == "cuda":
+                if self.device == "cuda":  # bitsandbytes' own dequantisation, as before commit 967fc7b
                     self.measure("bnb dequantize + cuBLAS", n, k, m, [
                         lambda p=p, a=a: (torch.ops.bitsandbytes.dequantize_4bit.out(
                             p, a, 64, "nf4", qs.shape, buf.dtype, out=buf), F.linear(x, buf)) for p, a in ws])
@@ -263,40 +263,49 @@ class Sweep:
                         x, p, a, qs.code, n, k, out=y, **kw) for p, a in ws],
                         lambda kw=kw: self.rel_diff(nf4_fused.nf4_linear(x, *ws[0], qs.code, n, k, out=y, **kw), ref))
 
-                def fused(config, x=x, y=y, m=m, ref=ref):
+                def fused(config, n=n, k=k, m=m, x=x, y=y, ref=ref, ws=ws, qs=qs):
+                    tried.setdefault((n, k, m), set()).add(config)
                     entry = self.measure("nf4_matmul", n, k, m, [
                         lambda p=p, a=a: nf4_matmul(x, p, a, qs.code, n, k, launch=config, out=y) for p, a in ws],
                         lambda: self.rel_diff(nf4_matmul(x, *ws[0], qs.code, n, k, launch=config, out=y), ref),
                         config=config._asdict(), splits=splits(k, config)[0])
                     if entry["us"] and (best.get((n, k, m)) is None or entry["us"] < best[(n, k, m)]["us"]):
                         best[(n, k, m)] = entry
-                    return entry
+                cases[(n, k, m)] = fused
 
-                # stage 1: tiles x lut x split, default warps and stages
-                tried = set()
-                self.slot_deadline = time.monotonic() + (self.deadline - time.monotonic()) / slots
-                slots -= 1
-                for (bn, bk), lut in itertools.product(tiles, TINY_LUTS if self.tiny else LUTS):
-                    for s in split_candidates(n, k, bn, bk, self.sms, self.tiny):
-                        c = Config(bn, bk, s, warps_for(bn, bk), 3 if not self.tiny else 1, lut)
-                        tried.add(c)
-                        fused(c)
-                # stage 2: around the best, warps, stages and split
-                if (n, k, m) in best:
-                    b = Config(**best[(n, k, m)]["config"])
-                    around = [b._replace(num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)]
-                    around += [b._replace(split_k=max(1, b.split_k // 2)), b._replace(split_k=b.split_k * 2)]
-                    for c in around if not self.tiny else []:
-                        if c not in tried and splits(k, c)[0] == c.split_k:
-                            tried.add(c)
-                            fused(c)
-                got = best.get((n, k, m))
-                self.log(f"  M={m}: dequantize + cuBLAS {base[(n, k, m)] or float('nan'):.1f} us, best nf4_matmul "
-                         + (f"{got['us']:.1f} us {got['config']}" if got else "none"))
-            ws = dense = buf = None  # free the copies before the next shape's
-            if self.device == "cuda":
-                torch.cuda.empty_cache()
+        self.log("stage 1: tiles x lookups x split-K")
+        stage_end = time.monotonic() + 0.7 * max(0.0, self.deadline - time.monotonic())
+        for i, ((n, k, m), fused) in enumerate(cases.items()):
+            self.slot_deadline = time.monotonic() + (stage_end - time.monotonic()) / (len(cases) - i)
+            for (bn, bk), lut in itertools.product(tiles, TINY_LUTS if self.tiny else LUTS):
+                for s in split_candidates(n, k, bn, bk, self.sms, self.tiny):
+                    fused(Config(bn, bk, s, warps_for(bn, bk), 3 if not self.tiny else 1, lut))
+            self.log_best(n, k, m, base, best)
+
+        self.log("stage 2: num_warps, num_stages and split-K around each best")
+        around = {}
+        for (n, k, m) in cases:
+            if (n, k, m) in best:
+                b = Config(**best[(n, k, m)]["config"])
+                new = [b._replace(num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4)]
+                new += [b._replace(split_k=max(1, b.split_k // 2)), b._replace(split_k=b.split_k * 2)]
+                if self.tiny:  # the code path, with one more configuration
+                    new = [b._replace(num_warps=8)]
+                around[(n, k, m)] = [c for c in dict.fromkeys(new)
+                                     if c not in tried[(n, k, m)] and splits(k, c)[0] == c.split_k]
+        if self.device == "cuda" and not self.tiny:
+            prewarm(self, {(m, c._replace(split_k=1)) for (_, _, m), cs in around.items() for c in cs})
+        for i, (key, configs) in enumerate(around.items()):
+            self.slot_deadline = time.monotonic() + (self.deadline - time.monotonic()) / (len(around) - i)
+            for c in configs:
+                cases[key](c)
+            self.log_best(*key, base, best)
         return shapes, best, base
+
+    def log_best(self, n, k, m, base, best):
+        got = best.get((n, k, m))
+        self.log(f"  {n}x{k} M={m}: dequantize + cuBLAS {base[(n, k, m)] or float('nan'):.1f} us, best nf4_matmul "
+                 + (f"{got['us']:.1f} us {got['config']}" if got else "none"))
 
     def lm_head(self, n, k, ms):
         w = torch.randn(n, k, device=self.device, dtype=self.dtype)
@@ -392,8 +401,9 @@ def main():
     sweep.log(f"{sweep.result['device']}: shapes {sorted({(n, k) for _, n, k in layer})}, M {ms}, budget "
               f"{args.budget:.0f} s; writing {sweep.out}")
     sweep.lm_head(*lm_head, ms)
-    if sweep.device == "cuda" and not args.tiny:
-        prewarm(sweep, ms, tiles)
+    if sweep.device == "cuda" and not args.tiny:  # stage 1's configurations
+        prewarm(sweep, {(m, Config(bn, bk, 1, warps_for(bn, bk), 3, lut)) for m in ms for bn, bk in tiles
+                        for lut in LUTS})
     shapes, best, base = sweep.run(layer, ms, tiles)
     sweep.report(layer, ms, shapes, best, base, lm_head)
     sweep.log(f"wrote {sweep.out}/sweep.json, sweep.md, dispatch.json")

@@ -116,7 +116,8 @@ if triton is not None:
         s3 = tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12))
         return tl.where(b3, tl.where(b2, s3, s2), tl.where(b2, s1, s0))
 
-    @triton.jit
+    # tiles_per_split is 1 at some splits: not specialised on it, so one binary serves every split
+    @triton.jit(do_not_specialize=["tiles_per_split"])
     def _nf4_splitk_kernel(x_ptr, words_ptr, absmax_ptr, code_ptr, out_ptr, res_ptr, ws_ptr,
                            M, N, K, stride_xm, stride_om, stride_rm, tiles_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
