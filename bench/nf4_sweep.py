@@ -113,7 +113,7 @@ def _compile(job):
 def prewarm(sweep, jobs):
     """Compile `jobs` ((M, Config) pairs) in parallel worker processes, into Triton's disk cache: serially,
     Triton's compiles would take most of the budget."""
-    jobs = sorted((m, c._asdict()) for m, c in jobs)
+    jobs = [(m, c._asdict()) for m, c in sorted(jobs)]
     if not jobs:
         return
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 2, 14))
