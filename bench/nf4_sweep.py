@@ -16,8 +16,8 @@ For each shape (N x K: q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 40
 and the bf16 lm_head (128256 x 4096, cuBLAS) for the table only. Each timing is a CUDA graph of calls rotating
 over enough weight copies that they do not fit in L2 (>= 256 MB of packed bytes), as bench/bench_nf4_matmul.py.
 
-The grid, bounded so that the whole run fits its budget: stage 1 times (BLOCK_N, BLOCK_K) in {64x128, 64x256,
-128x128, 128x256, 256x128} x lut {select, memory, prmt} at 3 stages and num_warps by tile size (4 up to 64x128, else
+The grid, bounded so that the whole run fits its budget: stage 1 times (BLOCK_N, BLOCK_K) in {32x256, 64x128,
+64x256, 64x512, 128x128, 128x256, 256x128} x lut {select, memory, prmt} at 3 stages and num_warps by tile size (4 up to 64x128, else
 8), each at the power-of-two split-K values that give between half a wave and 6 waves of programs on the GPU's
 SMs (at most 5 of them); stage 2 takes each (shape, M)'s best and varies num_warps (4, 8), num_stages (2, 3, 4)
 and split-K (halved, doubled). Triton compiles once per (tile, lut, warps, stages, BLOCK_M): N, K and the split
@@ -63,7 +63,7 @@ LAYER = [("q", 4096, 4096), ("k", 1024, 4096), ("v", 1024, 4096), ("o", 4096, 40
          ("gate", 14336, 4096), ("up", 14336, 4096), ("down", 4096, 14336)]
 LM_HEAD = (128256, 4096)
 MS = (16, 32, 64)
-TILES = [(64, 128), (64, 256), (128, 128), (128, 256), (256, 128)]
+TILES = [(32, 256), (64, 128), (64, 256), (64, 512), (128, 128), (128, 256), (256, 128)]
 LUTS = ("select", "memory", "prmt")
 TINY_LUTS = ("select", "memory")  # prmt is PTX: not under the interpreter
 TINY_LAYER = [("q", 64, 256), ("down", 96, 320)]  # 320: a K tail past the 256-column tiles
