@@ -28,9 +28,10 @@ Where the two earlier designs (bench/nf4_fused.py, 97-200 GB/s) differ from this
 - **The table lookup stays in registers** (`lut="select"`): the 16 codes are loaded once per program as
   scalars and a nibble picks its value by a 4-level select tree, so the inner loop makes no memory access
   per weight. `lut="prmt"` does the lookup by byte permutes (PTX `prmt`) of bitsandbytes' NF4 table held as
-  immediates, four codes at a time: fewer instructions than the tree's 15 selects a code (GPU only). The earlier kernels gathered from a global table each nibble, which Triton's pipeliner turned
-  into a 4-byte asynchronous copy per weight through shared memory. `lut="memory"` keeps that gather, for
-  the sweep to compare.
+  immediates, four codes at a time: fewer instructions than the tree's 15 selects a code (GPU only). The
+  earlier kernels gathered from a global table each nibble, which Triton's pipeliner turned into a 4-byte
+  asynchronous copy per weight through shared memory. `lut="memory"` keeps that gather, for the sweep to
+  compare.
 - Several quant blocks a K tile (BLOCK_K a multiple of blocksize) and num_stages let Triton keep several
   tiles of packed bytes in flight per program.
 
