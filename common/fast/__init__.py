@@ -2,8 +2,8 @@
 names below: `fit_memory` (once the model is loaded: the levers it returns are set on the config by
 `common.runs.settle`), `apply` (and DPO's `one_sequence_collator`), `backends`, GRPO's rollouts by the static
 decoder, the static decoder of stage 05 and DPO's rejected replies (`decode`, picked in
-`common/generation.py`; `use_nf4_matmul_table` for GRPO's), and the judge's packed rows (`packs_rows`, `packed_rewards`, in
-`common/rewards.py`). A change to a loss, a reward or a task needs none of it; `fast_paths: false` turns
+`common/generation.py`; `use_nf4_matmul_table` for GRPO's), and the judge's packed rows (`packs_rows`,
+`packed_rewards`, in `common/rewards.py`). A change to a loss, a reward or a task needs none of it; `fast_paths: false` turns
 all of it off (docs/architecture.md). The code here reads only FastArgs fields of a config (those
 declared with `plain=` in common/config.py), and never changes one.
 """

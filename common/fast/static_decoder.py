@@ -33,7 +33,7 @@ def supports_fast_decode(model) -> bool:
 
 def weights_backend(model, weights: str) -> str:
     """For the manifest: how the decode step reads the base weights: "bf16_copies", or "nf4_" + the kernel
-    that dequantises them at every token."""
+    that dequantises them at every token, and the nf4_matmul table where one is in use (`nf4_dispatch`)."""
     if weights == "bf16":
         return "bf16_copies"
     table = nf4_dispatch.active()
