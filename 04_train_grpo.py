@@ -54,6 +54,7 @@ def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, t
     rollout = None
     if config.rollout_backend == "static" and fast.supports_fast_decode(policy):
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental: common/trl_compat.py
+        fast.use_nf4_matmul_table(config.nf4_matmul_table)  # which base matmuls skip dequantising (empty: none)
         rollout = fast.grpo_rollout(config.max_completion_length, config.temperature, config.rollout_batch_size,
                                     config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=prompts,

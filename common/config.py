@@ -522,6 +522,10 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
         "sampling and training stay one policy without dequantising every weight each token "
         "(common/fast/decode_step.py)", plain="nf4")
+    nf4_matmul_table: str = arg(
+        "", "static nf4 rollouts: a dispatch table (JSON) written by bench/nf4_sweep.py on this GPU; each 4-bit "
+        "base matmul it names runs common/fast/nf4_matmul.py's split-K kernel on the packed weights instead of "
+        "dequantising + cuBLAS; empty: always dequantise", plain="")
     reward_funcs: list[str] = arg(
         help="GRPO's reward terms, summed with reward_weights (TRL's reward_funcs; each logged as rewards/<name>/mean "
         "and in metrics.json per_step): judge (the --reward_run's raw score), par (sigmoid of the judge's score minus "
@@ -588,6 +592,12 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         if self.rollout_weights == "bf16" and self.rollout_backend != "static":
             raise ConfigError("rollout_weights: bf16 is for the static decoder (rollout_backend: static)",
                               "rollout_weights")
+        if self.nf4_matmul_table:
+            if self.rollout_weights != "nf4" or self.rollout_backend != "static":
+                raise ConfigError("nf4_matmul_table is for static rollouts on the 4-bit base (rollout_backend: "
+                                  "static, rollout_weights: nf4)", "nf4_matmul_table")
+            if not Path(self.nf4_matmul_table).is_file():  # its content is checked as the rollouts are set up
+                raise ConfigError(f"nf4_matmul_table: no such file {self.nf4_matmul_table}", "nf4_matmul_table")
         # TRL samples per_device x steps_per_generation (its default: accumulation) x processes completions at
         # once, in whole groups.
         steps, field = (self.steps_per_generation, "steps_per_generation") if self.steps_per_generation else \

@@ -15,7 +15,9 @@ training's bf16 autocast runs them) each time a decode starts. Base weights, `we
 - "nf4": each 4-bit weight is dequantised into one scratch buffer on every step, as bitsandbytes
   does, but with the absmax of double quantisation decoded once and kept on the model (the base is
   frozen; 4 bytes per 64 weights). On a GPU with Triton a Triton kernel dequantises
-  (common/fast/nf4_dequantize.py), else bitsandbytes' own: `nf4_dequantizer` says which.
+  (common/fast/nf4_dequantize.py), else bitsandbytes' own: `nf4_dequantizer` says which. Where
+  `nf4_dispatch`'s table (off by default) names an `nf4_matmul` configuration for every weight of a group
+  at the step's row count, that split-K kernel reads the packed weights directly instead.
 - "bf16": stacked bf16 copies kept on the model (`_dense_base`, 2 bytes a weight), made at the first
   decode: no dequantising per token, for GPUs with room.
 A base that is not 4-bit (a full-precision test model) is stacked at each decode.
@@ -27,7 +29,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.activations import ACT2FN  # internal, as are Llama's head_dim, scaling, rotary_emb: trl_compat
 
-from common.fast import nf4_dequantize
+from common.fast import nf4_dequantize, nf4_dispatch
+from common.fast.nf4_matmul import nf4_matmul
+from common.fast.nf4_matmul import runs_on as nf4_matmul_runs_on
 
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
 # whatever training turned off (cuDNN: `cudnn_attention`): faster than two grouped matmuls or
@@ -95,6 +99,7 @@ class _Group:
         if self.nf4:  # dequantised into `scratch` at each step, by the kernel chosen once here
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
             self.dequantizer = nf4_dequantizer(scratch.device)
+            self.plans = {}  # rows -> nf4_dispatch's plan
             self.weight = scratch[:rows * self.in_features].view(rows, self.in_features)
         elif all(_is_4bit(b) for b in bases):  # bf16 copies, made once: the base is frozen
             from bitsandbytes.functional import dequantize_4bit
@@ -119,13 +124,35 @@ class _Group:
                     r0 += a.shape[0]
                 o0 += size
 
+    def _plans(self, M):
+        """An nf4_matmul Config for each base weight at M rows if `nf4_dispatch`'s table has one for all of
+        them, else None (dequantise, then one matmul)."""
+        table = nf4_dispatch.active()
+        if table is None or not nf4_matmul_runs_on(self.weight.device):
+            return None
+        if M not in self.plans:
+            plans = [table.plan(size, self.in_features, M) for size in self.sizes]
+            nf4 = all(b.weight.quant_state.quant_type == "nf4" for b, _ in self.bases)
+            self.plans[M] = plans if nf4 and all(plans) else None
+        return self.plans[M]
+
     def __call__(self, x, residual=None):
-        if self.nf4:
+        plans = self._plans(x.shape[0]) if self.nf4 else None
+        if plans:  # each packed weight read once by nf4_matmul, no bf16 buffer
+            y = torch.empty(x.shape[0], sum(self.sizes), dtype=x.dtype, device=x.device)
             o0 = 0
-            for (linear, absmax), size in zip(self.bases, self.sizes):
-                _dequantize_into(self.weight[o0:o0 + size], linear, absmax, self.dequantizer)
+            for (linear, absmax), size, launch in zip(self.bases, self.sizes, plans):
+                qs = linear.weight.quant_state
+                nf4_matmul(x, linear.weight.data, absmax, qs.code, size, self.in_features, qs.blocksize, launch,
+                           out=y[:, o0:o0 + size], residual=None if residual is None else residual[:, o0:o0 + size])
                 o0 += size
-        y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
+        else:
+            if self.nf4:
+                o0 = 0
+                for (linear, absmax), size in zip(self.bases, self.sizes):
+                    _dequantize_into(self.weight[o0:o0 + size], linear, absmax, self.dequantizer)
+                    o0 += size
+            y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
         if self.lora_a is not None:
             y = torch.addmm(y, F.linear(x, self.lora_a), self.lora_b.t())
         return y

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from common.data import token_ids
+from common.fast import nf4_dispatch
 from common.fast.decode_step import DecodeStep, nf4_dequantizer
 from common.model import eos_ids, unwrap_peft
 from common.ngram_block import repeat_bans
@@ -32,8 +33,12 @@ def supports_fast_decode(model) -> bool:
 
 def weights_backend(model, weights: str) -> str:
     """For the manifest: how the decode step reads the base weights: "bf16_copies", or "nf4_" + the kernel
-    that dequantises them at every token."""
-    return "bf16_copies" if weights == "bf16" else "nf4_" + nf4_dequantizer(next(model.parameters()).device)
+    that dequantises them at every token, and the nf4_matmul table where one is in use (`nf4_dispatch`)."""
+    if weights == "bf16":
+        return "bf16_copies"
+    table = nf4_dispatch.active()
+    return "nf4_" + nf4_dequantizer(next(model.parameters()).device) + (
+        f", nf4_matmul where {table.describe()}" if table else "")
 
 
 def release_dense_base(model) -> None:
