@@ -74,8 +74,9 @@ def triton_dequant_linear(x, packed, absmax, qs, buf):
     return F.linear(x, buf)
 
 
-def time_us(calls, device):
-    """Microseconds per call of `calls` (a list of thunks, one per weight copy), run as one CUDA graph."""
+def time_us(calls, device, gpu_seconds: float | None = None):
+    """Microseconds per call of `calls` (a list of thunks, one per weight copy), run as one CUDA graph:
+    about 2000 calls in all, or replays for about `gpu_seconds` of GPU time (at least 3)."""
     if device != "cuda":  # the interpreter: only checks that it runs
         t = time.perf_counter()
         for c in calls:
@@ -88,10 +89,13 @@ def time_us(calls, device):
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    graph.replay()
-    torch.cuda.synchronize()
-    reps = max(3, math.ceil(2000 / len(calls)))  # about 2000 calls in all
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    reps = max(3, math.ceil(gpu_seconds / max(start.elapsed_time(end) * 1e-3, 1e-6))) if gpu_seconds else \
+        max(3, math.ceil(2000 / len(calls)))
     start.record()
     for _ in range(reps):
         graph.replay()

@@ -49,6 +49,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_nf4_matmul  # noqa: E402
 import bitsandbytes as bnb  # noqa: E402
 import bitsandbytes.functional as bnbF  # noqa: E402
 import nf4_fused  # noqa: E402
@@ -158,30 +159,7 @@ class Sweep:
 
     def time_us(self, calls):
         """Microseconds per call of `calls` (thunks, one per weight copy), replayed as one CUDA graph."""
-        if self.device != "cuda":  # the interpreter: only checks that it runs
-            t = time.perf_counter()
-            for c in calls:
-                c()
-            return (time.perf_counter() - t) / len(calls) * 1e6
-        for c in calls[:2]:  # compile, and let cuBLAS pick its kernel, outside the capture
-            c()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        reps = max(3, math.ceil(GPU_SECONDS / max(start.elapsed_time(end) * 1e-3, 1e-6)))
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / (reps * len(calls))
+        return bench_nf4_matmul.time_us(calls, self.device, GPU_SECONDS)
 
     def weights(self, n, k):
         """Distinct (packed, fp32 absmax) copies of one random NF4 weight (absmax decoded, as decode_step keeps
