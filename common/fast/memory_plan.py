@@ -114,7 +114,12 @@ def rollout_bytes(config, model) -> tuple[int, int]:
     lm_config = unwrap_peft(model).config
     heads = lm_config.num_attention_heads
     head_dim = getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads
-    cache = (2 * lm_config.num_hidden_layers * config.rollout_batch_size * lm_config.num_key_value_heads
+    # The decoder samples a generation batch (TRL: per_device x steps_per_generation, by default x accumulation)
+    # at most rollout_batch_size sequences at a time.
+    generation_batch = config.per_device_train_batch_size * (config.steps_per_generation
+                                                             or config.gradient_accumulation_steps)
+    sequences = min(config.rollout_batch_size, generation_batch)
+    cache = (2 * lm_config.num_hidden_layers * sequences * lm_config.num_key_value_heads
              * head_dim * (config.max_prompt_tokens + config.max_completion_length) * 2)
     copies = 0
     if config.rollout_weights == "bf16":  # two bytes for each 4-bit weight (two of them a byte)

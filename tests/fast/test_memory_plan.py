@@ -132,11 +132,17 @@ def test_grpo_counts_its_rollout_cache_where_it_outweighs_the_update():
     model = AutoModelForCausalLM.from_pretrained(TINY)
     c = model.config
     config = GRPOStageConfig(sft_run="s", reward_run="r", per_device_train_batch_size=4, num_generations=4,
-                             max_prompt_tokens=100, max_completion_length=20, rollout_batch_size=256)
+                             max_prompt_tokens=100, max_completion_length=20, rollout_batch_size=256,
+                             steps_per_generation=64)
     copies, cache = memory_plan.rollout_bytes(config, model)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_sequence = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 120 * 2
     assert copies == 0  # a full-precision model: no 4-bit weights to copy
-    assert cache == 2 * c.num_hidden_layers * 256 * c.num_key_value_heads * head_dim * 120 * 2
+    assert cache == 256 * per_sequence  # a generation batch of 4 x 64 sampled at once
+    # The decoder holds the smaller of its batch and the generation batch: 4 x 1 at TRL's default.
+    for spg, rollout_batch, sequences in ((64, 100, 100), (None, 256, 4)):
+        smaller = GRPOStageConfig(**{**vars(config), "steps_per_generation": spg, "rollout_batch_size": rollout_batch})
+        assert memory_plan.rollout_bytes(smaller, model)[1] == sequences * per_sequence
     peaks = memory_plan.estimates(config, model, allocated=0)
     assert peaks["offload_all"] * 2 ** 30 >= cache  # the rollout's cache outweighs one premise's update here
     assert memory_plan.logits_bytes(config, model) == 8 * 4 * 20 * c.vocab_size  # fp32 and its gradient
