@@ -59,7 +59,7 @@ def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, t
                                     config.rollout_weights)
     trainer = GRPOTrainer(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=prompts,
                           processing_class=tokenizer, rollout_func=rollout)
-    run.manifest["patches"] = fast.apply(trainer, config)
+    run.manifest["patches"] = fast.apply(trainer, config, judges=reward_terms.learned_judges(reward_funcs))
     # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
     # does not know: recorded either way.
     decoder = {"decoder": "static", "decoder_weights": fast.weights_backend(policy, config.rollout_weights)} \

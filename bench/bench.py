@@ -876,7 +876,7 @@ class Bench:
                                    cfg.reward_batch_size), "judge"), *WATCH]
         one_row = model_changes.judges_in_one_row
         if not judge_in_one_row:
-            model_changes.judges_in_one_row = lambda trainer: False
+            model_changes.judges_in_one_row = lambda judges: False
         try:
             built = self.run_dir("grpo")
             trainer = self.grpo_mod.build_trainer(cfg, built, self.policy, judge, prompts, self.tokenizer)

@@ -1,5 +1,5 @@
-"""Metrics: judge quality on preference pairs, text overlap, win rates (plain and length-controlled)
-with bootstrap intervals."""
+"""Metrics: judge quality on preference pairs, text overlap, win rates (plain and length-controlled),
+ratings against the reviewers' (review), with bootstrap intervals."""
 from __future__ import annotations
 
 import numpy as np
@@ -117,3 +117,57 @@ def length_controlled_win_rate(scores: list[float], base_scores: list[float], le
     low, high = np.percentile(boot, [2.5, 97.5])
     return {"lc_win_rate_vs_base": float(value), "lc_win_rate_vs_base_ci95": [float(low), float(high)],
             "length_coef": float(slope)}
+
+
+# --- ratings (review) ----------------------------------------------------------------------------
+
+def rating_metrics(pred, gold, seed: int | None = None, n_boot: int = 1000) -> dict:
+    """MAE, RMSE, Pearson r and Spearman rho of predicted vs gold ratings; r and rho are None when
+    undefined (n < 2 or a constant side), everything but n is None when n == 0. With a `seed`: each with its 95% bootstrap
+    interval (`<key>_ci`, percentiles over `n_boot` resamples of the pairs)."""
+    p, g = np.asarray(pred, float), np.asarray(gold, float)
+    if p.shape != g.shape or p.ndim != 1:
+        raise ValueError(f"pred and gold must be equally long lists, got {p.shape} and {g.shape}")
+    if not len(p):
+        return {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "rating_spearman": None, "n": 0}
+    out = {**_point(p, g), "n": len(p)}
+    if seed is not None and len(p) >= 2:
+        idx = np.random.default_rng(seed).integers(0, len(p), (n_boot, len(p)))
+        draws = [_point(p[i], g[i]) for i in idx]
+        for key in ("rating_mae", "rating_rmse", "rating_pearson", "rating_spearman"):
+            values = [d[key] for d in draws if d[key] is not None]
+            if out[key] is not None and len(values) >= n_boot // 2:
+                out[f"{key}_ci"] = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+    return out
+
+
+def _point(p: np.ndarray, g: np.ndarray) -> dict:
+    defined = len(p) >= 2 and np.ptp(p) > 0 and np.ptp(g) > 0
+    return {"rating_mae": float(np.abs(p - g).mean()), "rating_rmse": float(np.sqrt(((p - g) ** 2).mean())),
+            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None,
+            "rating_spearman": _spearman(p, g) if defined else None}
+
+
+def _spearman(p: np.ndarray, g: np.ndarray) -> float:
+    """Pearson r of the ranks (ties get their mean rank)."""
+    return float(spearmanr(p, g).statistic)
+
+
+def baseline_constant(train_mean: float, gold, seed: int | None = None) -> dict:
+    """A predictor that always says the training split's mean rating."""
+    return rating_metrics([float(train_mean)] * len(gold), gold, seed)
+
+
+def baseline_human(human_ratings_per_paper, seed: int | None = None) -> dict:
+    """One more human reviewer: each reviewer's rating against the mean of the same paper's other
+    reviewers (leave-one-out), over all reviewers of papers with at least two; plus `n_papers`.
+    Intervals resample the (reviewer, others) pairs."""
+    pred, gold, papers = [], [], 0
+    for ratings in human_ratings_per_paper:
+        if len(ratings) < 2:
+            continue
+        papers += 1
+        for i, r in enumerate(ratings):
+            pred.append(float(r))
+            gold.append((sum(ratings) - r) / (len(ratings) - 1))
+    return {**rating_metrics(pred, gold, seed), "n_papers": papers}

@@ -80,8 +80,8 @@ def paper_inputs(row: dict, tokenizer, config, kind: str) -> list[list[int]]:
     """The token ids the model reads of one paper: one per window (lora_4bit), or one (encoder)."""
     if kind == ENCODER:
         return [list(tokenizer(encoder_text(row), truncation=True, max_length=config.max_length)["input_ids"])]
-    from common.tasks import review
-    prompts = review.reading_windows(row, tokenizer, config.max_length, config.rating_window_overlap)
+    from common.tasks.review_text import reading_windows
+    prompts = reading_windows(row, tokenizer, config.max_length, config.rating_window_overlap)
     return [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
             for p in spread(prompts, config.rating_max_windows)]
 
@@ -215,7 +215,7 @@ def train(config, run) -> dict:
     predicted = rater.predict(dev_rows)
     write_jsonl(run.dir / f"{config.audit_split}_ratings.jsonl",
                 [{"id": r["group_id"], "predicted": p, "human_rating": gold(r)} for r, p in zip(dev_rows, predicted)])
-    from common.tasks.review import rating_metrics
+    from common.metrics import rating_metrics
     dev = rating_metrics(predicted, [gold(r) for r in dev_rows], config.seed)
     log.info("%s: %s", config.audit_split, {k: v for k, v in dev.items() if not k.endswith("_ci")})
     metrics.update(dev, metrics_split=config.audit_split, judge_objective="rating", train_split=config.train_split,

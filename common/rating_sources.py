@@ -34,7 +34,7 @@ def source_metrics(pred, gold, constant: float, seed: int, n_boot: int = 1000) -
     """One source's metrics on the papers where both it and the gold have a rating; the others are
     counted (`n_without_rating`). `mae_minus_constant`: mean over those papers of |pred - gold| -
     |constant - gold|, with a paired bootstrap interval (the same papers resampled for both)."""
-    from common.tasks.review import rating_metrics
+    from common.metrics import rating_metrics
     keep = [i for i, (p, g) in enumerate(zip(pred, gold)) if p is not None and g is not None]
     p, g = np.array([pred[i] for i in keep], float), np.array([gold[i] for i in keep], float)
     out = {**rating_metrics(p.tolist(), g.tolist(), seed, n_boot), "n_without_rating": len(pred) - len(keep)}
@@ -135,7 +135,7 @@ def rerank_by_rating(sampled: list[str], n: int, predicted: list[float]) -> tupl
     """n sampled reviews a paper (flat, paper by paper) -> the one whose written rating is nearest the rating
     model's prediction for the paper (the first of equals; the first review when none writes a rating), and
     per paper the candidates' ratings and the index kept."""
-    from common.tasks.review import parse_review
+    from common.tasks.review_text import parse_review
     kept, info = [], []
     for paper, target in enumerate(predicted):
         candidates = sampled[paper * n:(paper + 1) * n]
@@ -153,7 +153,7 @@ def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], 
     """{source: metrics} for every source (module docstring). `per_model`: {model: {"parsed": [...],
     "readout": [...], "rating": [...]}} per scored paper (None where a model has none); `extra`: what
     `rating_inputs` returned (or None)."""
-    from common.tasks.review import baseline_human
+    from common.metrics import baseline_human
     extra = extra or {}
     gold = [_gold(p) for p in premises]
     preds: dict[str, list] = {}

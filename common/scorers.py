@@ -74,18 +74,21 @@ def register(kind: str):
     return add
 
 
+# A stage-03 run's judge_backbone -> the Scorer class that loads such a run (`from_run`), by name: the
+# modules that implement the seam depend on it, not the other way round.
+JUDGE_RUNS = {"features": "common.feature_judge:FeatureScorer", "ensemble": "common.ensemble:EnsembleScorer",
+              "model": "common.rewards:RewardScorer"}  # "model": lora_4bit, encoder and every other backbone
+
+
 @register("run")
 def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scorer:
     """A stage-03 run's judge, built by its config's judge_backbone: a model (lora_4bit, encoder), the
     feature judge (features) or an ensemble of judge runs (ensemble)."""
     from common.config import RewardStageConfig, load_run_config
-    from common.ensemble import EnsembleScorer
-    from common.feature_judge import FeatureScorer
-    from common.rewards import RewardScorer
     config = load_run_config(path)
     backbone = config.judge_backbone if isinstance(config, RewardStageConfig) else None
-    built = {"features": FeatureScorer, "ensemble": EnsembleScorer}.get(backbone, RewardScorer)
-    return built.from_run(path, batch_size=batch_size, packed=packed)
+    module, _, name = JUDGE_RUNS.get(backbone, JUDGE_RUNS["model"]).partition(":")
+    return getattr(importlib.import_module(module), name).from_run(path, batch_size=batch_size, packed=packed)
 
 
 # Modules whose scorers register themselves when imported: imported on the first load_scorer.

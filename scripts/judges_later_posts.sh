@@ -4,8 +4,7 @@
 # judged on dev_later, dev (in-period) and test, all at once:
 #   MiniLM pairwise (the recipe), with a longer premise (256 tokens), at lr 5e-5 for 3 epochs, with
 #   another seed; MiniLM pointwise; MiniLM on the reply alone (premise cut to one token); the SmolLM2
-#   decoder judge (4-bit + rsLoRA) at its recipe's lr and at 3e-4; and the ensemble of the two best on
-#   dev_later (scripts/judge_ensemble.py)
+#   decoder judge (4-bit + rsLoRA) at its recipe's lr and at 3e-4; the ensemble of the two best on
 #   dev_later (scripts/judge_ensemble.py); the feature judge (Tan et al. 2016); the candidates of
 #   CANDIDATES_FILE; then conservative ensembles (stage 03's judge_backbone ensemble: min and
 #   mean - sd of the z-scored members) of the ENSEMBLE_SIZES best single judges on dev_later

@@ -1,11 +1,12 @@
 """Stage 05's numbers and plots, and the stage-04 watch statistics, on synthetic inputs whose answer
-is known: a judge that only counts words must lose its edge once length is controlled for."""
+is known: a judge that only counts words must lose its edge once length is controlled for; rating metrics
+and baselines match numbers worked out by hand."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from common.metrics import length_controlled_win_rate, win_rate
+from common.metrics import baseline_constant, baseline_human, length_controlled_win_rate, rating_metrics, win_rate
 from common.report import plot_distributions, write_report
 from common.watch import distinct_n, hacking_stats, premise_overlap
 
@@ -74,3 +75,35 @@ def test_watch_statistics():
     assert premise_overlap(premise, "I disagree, freedom of expression matters more") == 0.0
     stats = hacking_stats([premise, premise], ["one two three", "four five six seven eight"])
     assert stats["reply_words"] == 4.0 and set(stats) == {"reply_words", "distinct_2", "premise_overlap"}
+
+
+# --- ratings (review) --------------------------------------------------------------------------------
+
+def test_rating_metrics_and_baselines_by_hand():
+    # errors -0.5, 0, 1: MAE 1.5/3; RMSE sqrt(1.25/3); deviations (0, -1, 1) and (2/3, -5/6, 1/6):
+    # covariance sum 1, squares 2 and 7/6, so r = 1 / sqrt(2 * 7/6) = sqrt(3/7)
+    # Spearman: ranks (2, 1, 3) and (3, 1, 2), deviations (0, -1, 1) and (1, -1, 0): rho = 1 / 2
+    got = rating_metrics([4, 3, 5], [4.5, 3.0, 4.0])
+    assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "rating_pearson": 0.6546537,
+                                 "rating_spearman": 0.5, "n": 3})
+    # always 4.0: errors 0.5, 1, 0; a constant prediction has no correlation
+    got = baseline_constant(4.0, [4.5, 3.0, 4.0])
+    assert got.pop("rating_pearson") is None and got.pop("rating_spearman") is None
+    assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "n": 3})
+    # paper 1: 4 vs 2, 2 vs 4; paper 2: 3 vs 4.5, 4 vs 4, 5 vs 3.5; paper 3 (one reviewer) left out.
+    # errors 2, 2, 1.5, 0, 1.5: MAE 7/5; RMSE sqrt(12.5/5); deviations from 3.6 (0.4, -1.6, -0.6, 0.4, 1.4)
+    # and (-1.6, 0.4, 0.9, 0.4, -0.1): covariance sum -1.8, squares 5.2 and 3.7, r = -1.8 / sqrt(19.24).
+    # Spearman: ranks (3.5, 1, 2, 3.5, 5) and (1, 3.5, 5, 3.5, 2), deviations from 3 give a covariance
+    # sum of -5.75 and squares 9.5 and 9.5: rho = -5.75 / 9.5
+    got = baseline_human([[4, 2], [3, 4, 5], [6]])
+    assert got == pytest.approx({"rating_mae": 1.4, "rating_rmse": 1.5811388, "rating_pearson": -0.4103646,
+                                 "rating_spearman": -5.75 / 9.5, "n": 5, "n_papers": 2})
+
+
+def test_rating_metrics_edge_cases():
+    assert rating_metrics([], []) == {"rating_mae": None, "rating_rmse": None, "rating_pearson": None,
+                                             "rating_spearman": None, "n": 0}
+    assert rating_metrics([4], [3])["rating_pearson"] is None
+    assert rating_metrics([4.2, 4.2, 4.2], [1, 2, 3])["rating_pearson"] is None
+    with pytest.raises(ValueError):
+        rating_metrics([1, 2], [1])

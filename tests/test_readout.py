@@ -15,7 +15,7 @@ from conftest import REPO, random_lora, run_dir_of, run_stage
 
 from common.config import ConfigError, EvalConfig
 from common.data import load_split, token_ids
-from common.tasks import review
+from common.tasks import review, review_text
 
 TINY = "configs/tiny/review"
 
@@ -60,7 +60,7 @@ def test_read_out_equals_the_expected_value_from_the_logits(nf4_tiny, pairs):
     from common.readout import read_scale
     model, tok = nf4_tiny
     rows = load_split(pairs, "test")[:3]
-    prompts = [review.prompt_for(r["paper"][:300 * (i + 1)]) for i, r in enumerate(rows)]  # unequal lengths
+    prompts = [review_text.prompt_for(r["paper"][:300 * (i + 1)]) for i, r in enumerate(rows)]  # unequal lengths
     replies = ["### Key Points\nA method.", "Strengths: clear. Weaknesses: none. The paper lacks the paper lacks",
                "### Key Points\nGood.\n### Rating\nOverall Quality: seven"]
     turns = [review.readout_turn(r) for r in replies]
@@ -107,7 +107,7 @@ def test_reading_all_windows_reads_every_window(nf4_tiny, pairs):
     windows = review.reading_windows(row, tok, 512, 64)
     ids = tok(row["paper"], add_special_tokens=False)["input_ids"]
     assert len(windows) >= len(ids) // 512 > 1
-    texts = [w[0]["content"][len(review.INSTRUCTION):] for w in windows]
+    texts = [w[0]["content"][len(review_text.INSTRUCTION):] for w in windows]
     assert row["paper"].startswith(texts[0][:100]) and row["paper"].rstrip().endswith(texts[-1].rstrip()[-100:])
     for before, after in zip(texts, texts[1:]):  # neighbours share text: no token is skipped
         assert after.lstrip("\ufffd")[:30] in before
@@ -126,7 +126,7 @@ def test_bf16_generation_weights_give_the_same_greedy_tokens(nf4_tiny, pairs):
     """The dequantise-once path (bf16 copies of the 4-bit base) against dequantising every token."""
     from common.generation import generate_replies
     model, tok = nf4_tiny
-    prompts = [review.prompt_for(r["paper"][:200 * (i + 1)]) for i, r in enumerate(load_split(pairs, "test")[:3])]
+    prompts = [review_text.prompt_for(r["paper"][:200 * (i + 1)]) for i, r in enumerate(load_split(pairs, "test")[:3])]
     every_token = generate_replies(model, tok, prompts, 24, 3, weights="nf4")
     once = generate_replies(model, tok, prompts, 24, 3, weights="bf16")
     assert once == every_token and any(once)

@@ -45,8 +45,10 @@ log = logging.getLogger("pipeline")
 _LIGER_MODELS = weakref.WeakSet()  # models whose modules Liger has already replaced
 
 
-def apply(trainer, config: TrainArgs) -> list[str]:
-    """Apply what `config` asks for to `trainer` (its model, its data); returns the names applied."""
+def apply(trainer, config: TrainArgs, judges=()) -> list[str]:
+    """Apply what `config` asks for to `trainer` (its model, its data) and to `judges`, GRPO's learned judges
+    behind its reward terms (RewardScorer: `packed`, `model`; common.reward_terms.learned_judges); returns the
+    names applied."""
     applied, layout = [], token_budget.PADDED
     packs = shared_prompt.packs_rows(trainer.model)  # no: sliding-window layers, plain padded rows
     asked = [name for name, on in (("padding_free", getattr(config, "padding_free", False)),
@@ -69,7 +71,7 @@ def apply(trainer, config: TrainArgs) -> list[str]:
         shared_prompt.share_grpo_prompts(trainer, config.one_sequence_attention)
         applied.append("group_in_one_sequence")
     if config.fast_paths and getattr(config, "one_sequence_attention", None) == "flex_attention" \
-            and torch.cuda.is_available() and judges_in_one_row(trainer):
+            and torch.cuda.is_available() and judges_in_one_row(judges):
         applied.append("judge_in_one_row")
     if config.group_by_length and add_length_column(trainer):
         applied.append("add_length_column")
@@ -89,7 +91,7 @@ def apply(trainer, config: TrainArgs) -> list[str]:
                 and trl_compat.attn_implementation(unwrap_peft(trainer.model)) == "sdpa":  # not FlexAttention's
             trainer.add_callback(KeepAttentionOutputs())
             applied.append("keep_attention_outputs")
-    if config.liger_kernel and torch.cuda.is_available() and apply_liger_kernels(trainer):  # Triton: GPUs only
+    if config.liger_kernel and torch.cuda.is_available() and apply_liger_kernels(trainer, judges):  # Triton: GPUs only
         applied.append("apply_liger_kernels")
     if config.mlp_chunk_tokens:  # after Liger, whose SwiGLU it then wraps
         chunk_mlps(trainer.model, config.mlp_chunk_tokens)
@@ -120,13 +122,12 @@ def backends(config, applied: list[str], **parts: str) -> dict:
             "patches": applied, **parts}
 
 
-def judges_in_one_row(trainer) -> bool:
+def judges_in_one_row(judges) -> bool:
     """GRPO's packed 4-bit judges run FlexAttention: the scorer then lays all the replies of a step end to
     end in one row (`RewardScorer._packed`) instead of one padded row per premise under a dense SDPA mask,
     whose masked kernel is slow (docs/performance.md). Same scores (tests/test_rewards.py)."""
     changed = False
-    from common.reward_terms import learned_judges
-    for scorer in learned_judges(getattr(trainer, "reward_funcs", [])):  # the judges behind the reward terms
+    for scorer in judges:
         if scorer.packed:
             classifier = unwrap_peft(scorer.model)
             if trl_compat.attn_implementation(classifier) != "flex_attention":
@@ -151,7 +152,7 @@ def add_length_column(trainer) -> bool:
     return True
 
 
-def apply_liger_kernels(trainer) -> bool:
+def apply_liger_kernels(trainer, judges=()) -> bool:
     """Liger's Triton RMSNorm, SwiGLU and RoPE in the trained model (and a GRPO judge's model): fused
     element-wise passes that also save less for backward (bench/RESULTS.md). The loss stays TRL's:
     `use_liger_kernel=True` would also swap in Liger's fused cross-entropy forward, which a sequence
@@ -165,8 +166,6 @@ def apply_liger_kernels(trainer) -> bool:
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.llama import modeling_llama  # apply_rotary_pos_emb replaced: common/trl_compat.py
 
-    from common.reward_terms import learned_judges
-    judges = learned_judges(getattr(trainer, "reward_funcs", []))  # the judges behind the reward terms
     models = [trainer.model] + [getattr(j, "model", None) for j in judges]
     for model in models:
         if model is not None and model not in _LIGER_MODELS:

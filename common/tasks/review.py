@@ -23,20 +23,11 @@ import numpy as np
 from common.config import ConfigError
 from common.data import DataError, n_words, text_field
 from common.tasks.protocol import EvalReport
+from common.tasks.review_text import SCALES, parse_review, prompt_for, window_prompts, windows
+from common.tasks.review_text import reading_windows as reading_windows  # a ReadsRatings hook, re-exported
 
 NAME = "review"
 TARGETS = ("merged", "per_review")
-SCALES = {"overall": (1, 6), "confidence": (1, 5)}  # NeurIPS 2025: rating 1-6, confidence 1-5
-INSTRUCTION = (
-    "You are reviewing a paper submitted to a machine-learning conference. Read it and write a peer "
-    "review in exactly this format:\n\n"
-    "### Key Points\n<what the paper does and claims>\n"
-    "### Strengths and Weaknesses\nStrengths:\n- <strength>\nWeaknesses:\n- <weakness>\n"
-    "### Suggestions for Improvement\n- <question or suggestion>\n"
-    "### Rating\nOverall Quality: <1-6>\nReview Confidence: <1-5>\n\n"
-    "Overall Quality: 6 strong accept, 5 accept, 4 borderline accept, 3 borderline reject, 2 reject, "
-    "1 strong reject. Review Confidence: 5 certain, 4 confident, 3 fairly confident, 2 willing to "
-    "defend but unsure, 1 educated guess.\n\nThe paper:\n\n")
 
 # Word budgets per part of a target, so a merged review of five reviewers stays near a single
 # review's length (at most ~800 words, about 1,000 Llama 3 tokens) and long reviews are cut alike.
@@ -65,13 +56,6 @@ _RULE = re.compile(r"^\s*([-=*_])\1{2,}\s*$")
 # A heading: markdown "#", a bold-only line, or (opening a paragraph) a short line ending in ":" or up
 # to three bare words.
 _HEADING = re.compile(r"^\s*(#+\s*.*|\*\*[^*]+\*\*:?|[^.!?]{1,60}:|\w+(?: [\w&/-]+){0,2})\s*$")
-# A rating is the label, a colon (or "="), the number, and maybe its scale ("5/6", "5 out of 6"): a
-# mention in prose ("the overall quality 1 of the writing") is not one, nor a number on another scale.
-# The number must end where it ends: "1e1" or "4x" is no rating (not 1 or 4). The last label decides,
-# so a label without a readable number gives no rating.
-_RATING = {key: re.compile(label + r"\s*[:：=]\s*(?:(-?\d+(?:\.\d+)?)(?!\w|\.\d)"
-                          r"(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?))?)?", _I)
-           for key, label in (("overall", r"overall\s+quality"), ("confidence", r"review\s+confidence"))}
 
 
 # --- row checks ----------------------------------------------------------------------------------
@@ -249,25 +233,7 @@ def build_target(sections: dict) -> str:
             f"### Rating\nOverall Quality: {_num(sections['rating'])}\nReview Confidence: {_num(sections['confidence'])}")
 
 
-def parse_review(text: str) -> dict:
-    """{"overall", "confidence"}: the number after the last "Overall Quality:" / "Review Confidence:"
-    (markdown emphasis ignored); None when absent, off the scale (1-6, 1-5) or given on another
-    ("5 out of 10")."""
-    text = re.sub(r"[*_`]", "", text or "")
-    out = {}
-    for key, pattern in _RATING.items():
-        low, high = SCALES[key]
-        found = pattern.findall(text)
-        value, scale = (float(found[-1][0]), found[-1][1]) if found and found[-1][0] else (None, "")
-        out[key] = value if value is not None and low <= value <= high and scale in ("", str(high)) else None
-    return out
-
-
 # --- rows -> examples ----------------------------------------------------------------------------
-
-def prompt_for(paper: str) -> list[dict]:
-    return [{"role": "user", "content": INSTRUCTION + paper}]
-
 
 def to_examples(row, where: str, review_target: str = "merged"):
     """One paper row -> a list of examples, or a drop reason (str). Malformed rows raise DataError.
@@ -373,41 +339,9 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
     ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
     spans = windows(len(ids), budget, config.window_overlap) if config.input_strategy == "sliding_window" \
         else [(0, min(len(ids), budget))]
-    prompts = _window_prompts(tokenizer, ids, spans, lambda prompt: prompt_length(tokenizer, prompt) + n_target +
+    prompts = window_prompts(tokenizer, ids, spans, lambda prompt: prompt_length(tokenizer, prompt) + n_target +
                               template_closing_tokens(tokenizer, prompt) + 1 - config.max_length)
     return [{"prompt": prompt, "completion": completion} for prompt in prompts]
-
-
-def _window_prompts(tokenizer, ids: list[int], spans, excess_of) -> list[list[dict]]:
-    """One prompt per span of the paper's tokens, each within budget (`excess_of(prompt) <= 0`).
-    Decoding and re-encoding a window can merge tokens differently: a window is shrunk until it fits,
-    on the side its neighbour covers (the last window keeps the paper's end)."""
-    prompts = []
-    for start, end in spans:
-        while True:
-            prompt = prompt_for(tokenizer.decode(ids[start:end]))
-            excess = excess_of(prompt)
-            if excess <= 0 or end - start <= 1:
-                break
-            if end == len(ids):
-                start += excess
-            else:
-                end -= excess
-        prompts.append(prompt)
-    return prompts
-
-
-def reading_windows(row: dict, tokenizer, max_prompt_tokens: int, overlap: int) -> list[list[dict]]:
-    """Stage 05, reading all_windows: the paper as prompts of at most `max_prompt_tokens` templated
-    tokens, windows covering every token with `overlap` tokens shared by neighbours."""
-    from common.data import prompt_length
-    budget = max_prompt_tokens - prompt_length(tokenizer, prompt_for(""))
-    if budget <= overlap:
-        raise DataError(f"max_prompt_tokens={max_prompt_tokens} leaves {budget} tokens of paper a window, not more "
-                        f"than window_overlap={overlap}: lower window_overlap or raise max_prompt_tokens")
-    ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
-    return _window_prompts(tokenizer, ids, windows(len(ids), budget, overlap),
-                           lambda prompt: prompt_length(tokenizer, prompt) - max_prompt_tokens)
 
 
 READING = "for a paper, its first window: the rest of a long paper is not seen while writing"
@@ -456,6 +390,7 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], *, train: list
     more human reviewer (each reviewer against the mean of the paper's others). And every rating source
     side by side (common/rating_sources.py: each model's parsed and read-out rating, the rating model's
     from `rating`, their blend fitted on dev), `rating_sources` in eval.json, a table and a plot each."""
+    from common.metrics import baseline_constant, baseline_human, rating_metrics  # sacrebleu, scipy: 05 only
     gold = [float(np.mean(r["human_ratings"])) for r in premises]
     metrics, per_reply, pairs, per_model = {}, {}, {}, {}
     for name, texts in replies.items():
@@ -543,75 +478,3 @@ def _f(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-# --- long papers ---------------------------------------------------------------------------------
-
-def windows(n_tokens: int, window_tokens: int, overlap: int) -> list[tuple[int, int]]:
-    """Half-open spans [start, end) of at most `window_tokens` tokens that cover 0..n_tokens-1. Each
-    starts `window_tokens - overlap` after the one before, so neighbours share exactly `overlap`
-    tokens; the last is moved back to end at n_tokens (full length, sharing more with the one before).
-    A text of at most `window_tokens` tokens is one span; an empty one none."""
-    if window_tokens < 1 or not 0 <= overlap < window_tokens:
-        raise ValueError(f"need window_tokens >= 1 and 0 <= overlap < window_tokens, got {window_tokens}, {overlap}")
-    spans, start = [], 0
-    while n_tokens > 0:
-        if start + window_tokens >= n_tokens:
-            spans.append((max(0, n_tokens - window_tokens), n_tokens))
-            break
-        spans.append((start, start + window_tokens))
-        start += window_tokens - overlap
-    return spans
-
-
-# --- rating metrics ------------------------------------------------------------------------------
-
-def rating_metrics(pred, gold, seed: int | None = None, n_boot: int = 1000) -> dict:
-    """MAE, RMSE, Pearson r and Spearman rho of predicted vs gold ratings; r and rho are None when
-    undefined (n < 2 or a constant side), everything but n is None when n == 0. With a `seed`: each with its 95% bootstrap
-    interval (`<key>_ci`, percentiles over `n_boot` resamples of the pairs)."""
-    p, g = np.asarray(pred, float), np.asarray(gold, float)
-    if p.shape != g.shape or p.ndim != 1:
-        raise ValueError(f"pred and gold must be equally long lists, got {p.shape} and {g.shape}")
-    if not len(p):
-        return {"rating_mae": None, "rating_rmse": None, "rating_pearson": None, "rating_spearman": None, "n": 0}
-    out = {**_point(p, g), "n": len(p)}
-    if seed is not None and len(p) >= 2:
-        idx = np.random.default_rng(seed).integers(0, len(p), (n_boot, len(p)))
-        draws = [_point(p[i], g[i]) for i in idx]
-        for key in ("rating_mae", "rating_rmse", "rating_pearson", "rating_spearman"):
-            values = [d[key] for d in draws if d[key] is not None]
-            if out[key] is not None and len(values) >= n_boot // 2:
-                out[f"{key}_ci"] = [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
-    return out
-
-
-def _point(p: np.ndarray, g: np.ndarray) -> dict:
-    defined = len(p) >= 2 and np.ptp(p) > 0 and np.ptp(g) > 0
-    return {"rating_mae": float(np.abs(p - g).mean()), "rating_rmse": float(np.sqrt(((p - g) ** 2).mean())),
-            "rating_pearson": float(np.corrcoef(p, g)[0, 1]) if defined else None,
-            "rating_spearman": _spearman(p, g) if defined else None}
-
-
-def _spearman(p: np.ndarray, g: np.ndarray) -> float:
-    """Pearson r of the ranks (ties get their mean rank), as scipy's spearmanr."""
-    from scipy.stats import rankdata
-    return float(np.corrcoef(rankdata(p), rankdata(g))[0, 1])
-
-
-def baseline_constant(train_mean: float, gold, seed: int | None = None) -> dict:
-    """A predictor that always says the training split's mean rating."""
-    return rating_metrics([float(train_mean)] * len(gold), gold, seed)
-
-
-def baseline_human(human_ratings_per_paper, seed: int | None = None) -> dict:
-    """One more human reviewer: each reviewer's rating against the mean of the same paper's other
-    reviewers (leave-one-out), over all reviewers of papers with at least two; plus `n_papers`.
-    Intervals resample the (reviewer, others) pairs."""
-    pred, gold, papers = [], [], 0
-    for ratings in human_ratings_per_paper:
-        if len(ratings) < 2:
-            continue
-        papers += 1
-        for i, r in enumerate(ratings):
-            pred.append(float(r))
-            gold.append((sum(ratings) - r) / (len(ratings) - 1))
-    return {**rating_metrics(pred, gold, seed), "n_papers": papers}

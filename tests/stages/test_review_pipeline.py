@@ -10,7 +10,7 @@ import pytest
 from conftest import run_dir_of, run_stage
 
 from common.data import load_split
-from common.tasks import review
+from common.tasks import review, review_text
 
 pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
 
@@ -47,7 +47,7 @@ def test_per_review_targets_are_one_per_review_with_its_own_rating(tmp_path, tin
     rows = [row for split in ("train", "dev", "test") for row in load_split(pairs, split)]
     assert len(rows) == 1612
     for row in rows[:200]:
-        assert review.parse_review(row["chosen"])["overall"] == row["rating"] and row["rating"] in row["human_ratings"]
+        assert review_text.parse_review(row["chosen"])["overall"] == row["rating"] and row["rating"] in row["human_ratings"]
 
 
 @pytest.mark.parametrize("strategy", ["sliding_window", "whole"])
@@ -61,7 +61,7 @@ def test_sft_examples_fit_max_length_and_windows_cover_the_paper(chain, strategy
         ids = tokenizer.apply_chat_template(example["prompt"] + example["completion"], tokenize=True)
         assert len(ids["input_ids"] if hasattr(ids, "keys") else ids) <= config.max_length
         assert example["completion"][0]["content"] == row["chosen"]  # the whole target, every window
-    papers = [e["prompt"][0]["content"][len(review.INSTRUCTION):] for e in examples]
+    papers = [e["prompt"][0]["content"][len(review_text.INSTRUCTION):] for e in examples]
     assert row["paper"].startswith(papers[0][:200])
     if strategy == "whole":
         assert len(examples) == 1

@@ -1,5 +1,4 @@
-"""The review task without a model: the target format round-trips on the real rows, windows
-cover every token, rating metrics and baselines match numbers worked out by hand, a PDF the test
+"""The review task without a model: the target format round-trips on the real rows, a PDF the test
 writes is read back, malformed rows name FILE:LINE and the field, and every paper and review of the
 bundled file is accounted for."""
 from __future__ import annotations
@@ -7,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import itertools
 import json
-import math
 import re
 import subprocess
 from pathlib import Path
@@ -21,7 +18,7 @@ from hypothesis import strategies as st
 
 from common.data import DataError, read_jsonl
 from common.pdf import read_pdf_text
-from common.tasks import review
+from common.tasks import review, review_text
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "review" / "neurips2025_papers_reviews.jsonl.gz"
 FORMAT = re.compile(r"### Key Points\n(?:.+\n)+### Strengths and Weaknesses\nStrengths:\n(?:- .+\n)+Weaknesses:\n"
@@ -46,9 +43,9 @@ def examples(rows):
 def test_targets_round_trip_on_the_bundled_rows(examples, target):
     for ex in examples[target]:
         assert FORMAT.match(ex["chosen"]), ex["chosen"]
-        assert review.parse_review(ex["chosen"]) == {"overall": ex["rating"], "confidence": ex["confidence"]}
-        assert [review.parse_review(ref)["overall"] for ref in ex["references"]] == ex["human_ratings"]
-        assert ex["prompt"] == [{"role": "user", "content": review.INSTRUCTION + ex["paper"]}]
+        assert review_text.parse_review(ex["chosen"]) == {"overall": ex["rating"], "confidence": ex["confidence"]}
+        assert [review_text.parse_review(ref)["overall"] for ref in ex["references"]] == ex["human_ratings"]
+        assert ex["prompt"] == [{"role": "user", "content": review_text.INSTRUCTION + ex["paper"]}]
         assert ex["group_id"] in ex["id"] and len(ex["chosen"].split()) <= 900
 
 
@@ -60,7 +57,7 @@ def test_merged_rating_is_the_reviewers_mean_to_one_decimal(examples):
                  "confidence": c} for r, c in ((4, 3), (4, 4), (5, 4), (4, None))]
     merged = review.merge_sections(sections)
     assert (merged["rating"], merged["confidence"]) == (4.3, 3.7)  # 4.25 rounds half up; 11/3
-    assert review.parse_review(review.build_target(merged)) == {"overall": 4.3, "confidence": 3.7}
+    assert review_text.parse_review(review.build_target(merged)) == {"overall": 4.3, "confidence": 3.7}
 
 
 def test_target_is_built_from_the_review_fields():
@@ -70,78 +67,6 @@ def test_target_is_built_from_the_review_fields():
     assert target == ("### Key Points\nThe paper adds a cache.\n### Strengths and Weaknesses\nStrengths:\n- Fast.\n"
                       "- Simple.\nWeaknesses:\n- No ablation.\n- Small data.\n### Suggestions for Improvement\n"
                       "- Why 4 layers?\n### Rating\nOverall Quality: 3\nReview Confidence: 4")
-
-
-@pytest.mark.parametrize("text, overall, confidence", [
-    ("### Rating\nOverall Quality: 4\nReview Confidence: 3", 4.0, 3.0),
-    ("**Overall Quality:**   4.5 \n\n  **Review Confidence**: 2", 4.5, 2.0),
-    ("overall quality 2\nReview Confidence: 5\nOverall Quality: 5", 5.0, 5.0),  # the last one counts
-    ("Overall Quality: 7\nReview Confidence: 0", None, None),  # off the 1-6 / 1-5 scales
-    ("I would accept this paper.", None, None),
-    ("", None, None),
-])
-def test_parse_review(text, overall, confidence):
-    assert review.parse_review(text) == {"overall": overall, "confidence": confidence}
-
-
-# --- windows ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("n, window, overlap", [
-    (0, 8, 2), (1, 8, 2), (7, 8, 2), (8, 8, 2), (9, 8, 2), (14, 8, 2), (15, 8, 2), (100, 8, 0), (100, 8, 7),
-    (5, 1, 0), (25_000, 8_192, 512), (25_000, 8_000, 1_000), (20_480, 20_480, 1_024), (3, 2, 1)])
-def test_windows_cover_every_token_within_the_limit(n, window, overlap):
-    spans = review.windows(n, window, overlap)
-    covered = set()
-    for start, end in spans:
-        assert 0 <= start < end <= n and end - start <= window
-        covered.update(range(start, end))
-    assert covered == set(range(n))
-    if n:
-        assert spans[0][0] == 0 and spans[-1][1] == n
-        assert all(end - start == min(window, n) for start, end in spans)  # the last is moved back, not short
-    for (s1, e1), (s2, _) in itertools.pairwise(spans):
-        assert s2 > s1 and e1 - s2 >= overlap  # neighbours share at least `overlap` tokens ...
-    for (_, e1), (s2, _) in itertools.pairwise(spans[:-1]):
-        assert e1 - s2 == overlap  # ... and exactly `overlap` except with the last
-    assert len(spans) == (0 if n == 0 else max(1, math.ceil((n - overlap) / (window - overlap))))
-
-
-@pytest.mark.parametrize("window, overlap", [(0, 0), (4, 4), (4, 5), (4, -1)])
-def test_windows_refuse_bad_settings(window, overlap):
-    with pytest.raises(ValueError):
-        review.windows(10, window, overlap)
-
-
-# --- rating metrics --------------------------------------------------------------------------------
-
-def test_rating_metrics_and_baselines_by_hand():
-    # errors -0.5, 0, 1: MAE 1.5/3; RMSE sqrt(1.25/3); deviations (0, -1, 1) and (2/3, -5/6, 1/6):
-    # covariance sum 1, squares 2 and 7/6, so r = 1 / sqrt(2 * 7/6) = sqrt(3/7)
-    # Spearman: ranks (2, 1, 3) and (3, 1, 2), deviations (0, -1, 1) and (1, -1, 0): rho = 1 / 2
-    got = review.rating_metrics([4, 3, 5], [4.5, 3.0, 4.0])
-    assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "rating_pearson": 0.6546537,
-                                 "rating_spearman": 0.5, "n": 3})
-    # always 4.0: errors 0.5, 1, 0; a constant prediction has no correlation
-    got = review.baseline_constant(4.0, [4.5, 3.0, 4.0])
-    assert got.pop("rating_pearson") is None and got.pop("rating_spearman") is None
-    assert got == pytest.approx({"rating_mae": 0.5, "rating_rmse": 0.6454972, "n": 3})
-    # paper 1: 4 vs 2, 2 vs 4; paper 2: 3 vs 4.5, 4 vs 4, 5 vs 3.5; paper 3 (one reviewer) left out.
-    # errors 2, 2, 1.5, 0, 1.5: MAE 7/5; RMSE sqrt(12.5/5); deviations from 3.6 (0.4, -1.6, -0.6, 0.4, 1.4)
-    # and (-1.6, 0.4, 0.9, 0.4, -0.1): covariance sum -1.8, squares 5.2 and 3.7, r = -1.8 / sqrt(19.24).
-    # Spearman: ranks (3.5, 1, 2, 3.5, 5) and (1, 3.5, 5, 3.5, 2), deviations from 3 give a covariance
-    # sum of -5.75 and squares 9.5 and 9.5: rho = -5.75 / 9.5
-    got = review.baseline_human([[4, 2], [3, 4, 5], [6]])
-    assert got == pytest.approx({"rating_mae": 1.4, "rating_rmse": 1.5811388, "rating_pearson": -0.4103646,
-                                 "rating_spearman": -5.75 / 9.5, "n": 5, "n_papers": 2})
-
-
-def test_rating_metrics_edge_cases():
-    assert review.rating_metrics([], []) == {"rating_mae": None, "rating_rmse": None, "rating_pearson": None,
-                                             "rating_spearman": None, "n": 0}
-    assert review.rating_metrics([4], [3])["rating_pearson"] is None
-    assert review.rating_metrics([4.2, 4.2, 4.2], [1, 2, 3])["rating_pearson"] is None
-    with pytest.raises(ValueError):
-        review.rating_metrics([1, 2], [1])
 
 
 # --- PDFs ------------------------------------------------------------------------------------------
@@ -272,22 +197,6 @@ def test_unusable_papers_and_reviews_are_counted(target):
 
 # --- the rating and the read-out ---------------------------------------------------------------------
 
-def test_the_rating_parser_reads_the_rating_not_prose_or_another_scale():
-    rated = "### Rating\nOverall Quality: 4\nReview Confidence: 3\n"
-    assert review.parse_review(rated + "Note: the overall quality 1 of the writing could improve.") == \
-        {"overall": 4.0, "confidence": 3.0}
-    assert review.parse_review("Overall Quality: 5 out of 10\nReview Confidence: 3 out of 5") == \
-        {"overall": None, "confidence": 3.0}
-
-
-@pytest.mark.parametrize("text, overall", [("Overall Quality: 1e1", None), ("Overall Quality: 4x", None),
-                                           ("Overall Quality: 4.5.", 4.5), ("Overall Quality: 4.", 4.0),
-                                           ("Overall Quality: 3\nlater: Overall Quality: n/a", None),
-                                           ("Overall Quality: 5/6", 5.0)])
-def test_a_rating_is_the_whole_number_after_the_label(text, overall):
-    assert review.parse_review(text)["overall"] == overall
-
-
 def test_the_read_out_cuts_a_review_at_its_rating_section_not_at_prose():
     body = "### Key Points\nThe overall quality of the writing is high.\nRating the novelty is hard.\n"
     assert review.readout_turn(body + "### Rating\nOverall Quality: 4") == body.rstrip() + "\n" + review.RATING_HEADER
@@ -363,7 +272,7 @@ def test_a_rating_off_the_scale_is_a_bad_row(tmp_path, rating):
     run, metrics = _done(_build_review(tmp_path, rows, "--skip_bad_rows", "true", name="again.jsonl")[1])
     assert metrics["dropped"] == {"bad_row": 1}
     for row in sum(_splits(run).values(), []):  # every target's rating reads back, on the scale
-        assert review.parse_review(row["chosen"])["overall"] == row["rating"]
+        assert review_text.parse_review(row["chosen"])["overall"] == row["rating"]
 
 
 @pytest.mark.stage
@@ -538,5 +447,5 @@ def test_hostile_review_rows_end_in_a_documented_outcome(papers, ops, skip):
         event(f"done, dropped {sorted(metrics['dropped'])}")
         assert metrics["n_input_rows"] == len(rows)
         for row in sum(_splits(run).values(), []):  # a target's rating is on the scale and reads back
-            assert review.parse_review(row["chosen"])["overall"] == row["rating"]
+            assert review_text.parse_review(row["chosen"])["overall"] == row["rating"]
             assert 1 <= row["rating"] <= 6 and all(1 <= r <= 6 for r in row["human_ratings"])
