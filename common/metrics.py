@@ -171,3 +171,19 @@ def baseline_human(human_ratings_per_paper, seed: int | None = None) -> dict:
             pred.append(float(r))
             gold.append((sum(ratings) - r) / (len(ratings) - 1))
     return {**rating_metrics(pred, gold, seed), "n_papers": papers}
+
+
+def rating_source_metrics(pred, gold, constant: float, seed: int, n_boot: int = 1000) -> dict:
+    """One rating source's metrics (05's rating sources, stage 03's rating model) on the papers where both it
+    and the gold have a rating; the others are counted (`n_without_rating`). `mae_minus_constant`: mean over
+    those papers of |pred - gold| - |constant - gold|, with a paired bootstrap interval (the same papers
+    resampled for both)."""
+    keep = [i for i, (p, g) in enumerate(zip(pred, gold)) if p is not None and g is not None]
+    p, g = np.array([pred[i] for i in keep], float), np.array([gold[i] for i in keep], float)
+    out = {**rating_metrics(p.tolist(), g.tolist(), seed, n_boot), "n_without_rating": len(pred) - len(keep)}
+    diff = np.abs(p - g) - np.abs(constant - g)
+    out["mae_minus_constant"] = float(diff.mean()) if len(diff) else None
+    if len(diff) >= 2:
+        draws = diff[np.random.default_rng(seed).integers(0, len(diff), (n_boot, len(diff)))].mean(1)
+        out["mae_minus_constant_ci"] = [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
+    return out

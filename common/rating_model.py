@@ -210,17 +210,28 @@ def train(config, run) -> dict:
                                      "epochs_trained": trainer.state.epoch}
     save_adapter(model, tokenizer, run)
 
-    # 4. The dev papers, predicted as stage 05 predicts: MAE, RMSE, Pearson, Spearman.
+    # 4. The dev papers, predicted as stage 05 predicts: MAE, RMSE, Pearson, Spearman, and the MAE against the
+    #    train mean's (paired interval); then each of audit_extra_splits (test), reported, never chosen on.
     rater = RatingModel(model, tokenizer, config, kind, scale)
-    predicted = rater.predict(dev_rows)
-    write_jsonl(run.dir / f"{config.audit_split}_ratings.jsonl",
-                [{"id": r["group_id"], "predicted": p, "human_rating": gold(r)} for r, p in zip(dev_rows, predicted)])
-    from common.metrics import rating_metrics
-    dev = rating_metrics(predicted, [gold(r) for r in dev_rows], config.seed)
-    log.info("%s: %s", config.audit_split, {k: v for k, v in dev.items() if not k.endswith("_ci")})
+    dev = _measure(rater, dev_rows, config.audit_split, scale["mean"], config.seed, run.dir)
     metrics.update(dev, metrics_split=config.audit_split, judge_objective="rating", train_split=config.train_split,
                    rating_scale=scale, n_train_papers=len(train_rows))
+    seen = {config.train_split, config.audit_split, *config.train_also}
+    extra = [s for s in config.audit_extra_splits if s not in seen and (Path(config.pairs_run) / f"{s}.jsonl").is_file()]
+    metrics["other_splits"] = {split: _measure(rater, papers(config.pairs_run, split, config.max_eval_examples),
+                                               split, scale["mean"], config.seed, run.dir) for split in extra}
     return metrics
+
+
+def _measure(rater: "RatingModel", rows: list[dict], split: str, train_mean: float, seed: int, out: Path) -> dict:
+    """The rating model on one split's papers: `<split>_ratings.jsonl` and the split's rating metrics."""
+    from common.metrics import rating_source_metrics
+    predicted = rater.predict(rows)
+    write_jsonl(out / f"{split}_ratings.jsonl",
+                [{"id": r["group_id"], "predicted": p, "human_rating": gold(r)} for r, p in zip(rows, predicted)])
+    result = rating_source_metrics(predicted, [gold(r) for r in rows], train_mean, seed)
+    log.info("%s: %s", split, {k: v for k, v in result.items() if not k.endswith("_ci")})
+    return result
 
 
 # --- stage 05 -------------------------------------------------------------------------------------

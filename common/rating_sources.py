@@ -22,28 +22,13 @@ import numpy as np
 
 from common.config import load_run_config
 from common.data import read_json, read_jsonl
+from common.metrics import baseline_human, rating_source_metrics
 from common.runs import RunError
 
 
 def _gold(row: dict) -> float | None:
     ratings = [r for r in row.get("human_ratings") or [] if r is not None]
     return float(np.mean(ratings)) if ratings else None
-
-
-def source_metrics(pred, gold, constant: float, seed: int, n_boot: int = 1000) -> dict:
-    """One source's metrics on the papers where both it and the gold have a rating; the others are
-    counted (`n_without_rating`). `mae_minus_constant`: mean over those papers of |pred - gold| -
-    |constant - gold|, with a paired bootstrap interval (the same papers resampled for both)."""
-    from common.metrics import rating_metrics
-    keep = [i for i, (p, g) in enumerate(zip(pred, gold)) if p is not None and g is not None]
-    p, g = np.array([pred[i] for i in keep], float), np.array([gold[i] for i in keep], float)
-    out = {**rating_metrics(p.tolist(), g.tolist(), seed, n_boot), "n_without_rating": len(pred) - len(keep)}
-    diff = np.abs(p - g) - np.abs(constant - g)
-    out["mae_minus_constant"] = float(diff.mean()) if len(diff) else None
-    if len(diff) >= 2:
-        draws = diff[np.random.default_rng(seed).integers(0, len(diff), (n_boot, len(diff)))].mean(1)
-        out["mae_minus_constant_ci"] = [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
-    return out
 
 
 # A source whose ratings of the dev papers spread less than this (sd, rating points) is left out of the
@@ -153,7 +138,6 @@ def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], 
     """{source: metrics} for every source (module docstring). `per_model`: {model: {"parsed": [...],
     "readout": [...], "rating": [...]}} per scored paper (None where a model has none); `extra`: what
     `rating_inputs` returned (or None)."""
-    from common.metrics import baseline_human
     extra = extra or {}
     gold = [_gold(p) for p in premises]
     preds: dict[str, list] = {}
@@ -164,7 +148,7 @@ def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], 
     if "rating_model" in extra:
         preds["rating_model"] = extra["rating_model"]
     preds["baseline_constant"] = [train_mean] * len(premises)
-    out = {name: source_metrics(pred, gold, train_mean, seed) for name, pred in preds.items()}
+    out = {name: rating_source_metrics(pred, gold, train_mean, seed) for name, pred in preds.items()}
     blends = {}
     for model, dev in (extra.get("dev") or {}).items():
         if model not in per_model:
@@ -177,7 +161,7 @@ def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], 
             scored["rating_model"] = extra["rating_model"]
         blend = fit_blend(features, [_gold(r) for r in dev_rows])
         preds[f"{model}_blend"] = apply_blend(blend, scored)
-        out[f"{model}_blend"] = {**source_metrics(preds[f"{model}_blend"], gold, train_mean, seed), "blend": blend}
+        out[f"{model}_blend"] = {**rating_source_metrics(preds[f"{model}_blend"], gold, train_mean, seed), "blend": blend}
         blends[model] = blend
     humans = [p.get("human_ratings") or [] for p in premises]
     out["baseline_human"] = {**baseline_human(humans, seed), "n_without_rating": sum(not h for h in humans)}

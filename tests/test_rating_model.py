@@ -13,7 +13,8 @@ import torch
 from conftest import run_dir_of, run_stage
 
 from common.data import load_split, one_per_group
-from common.rating_sources import apply_blend, fit_blend, rating_sources, source_metrics
+from common.metrics import rating_source_metrics
+from common.rating_sources import apply_blend, fit_blend, rating_sources
 
 TINY = "configs/tiny/review"
 
@@ -56,6 +57,26 @@ def test_the_target_is_the_standardised_mean_rating_of_the_train_papers(runs):
 
 
 @pytest.mark.stage
+def test_the_test_papers_are_rated_and_reported_beside_dev_never_chosen_on(runs):
+    """audit_extra_splits (dev_later, test): the review pairs run has no dev_later; the test papers are rated,
+    written and measured against the train mean's MAE, paired over the same papers."""
+    _, pairs, rating = runs
+    metrics = json.loads((rating / "metrics.json").read_text())
+    assert set(metrics["other_splits"]) == {"test"} and metrics["metrics_split"] == "dev"
+    written = [json.loads(line) for line in (rating / "test_ratings.jsonl").read_text().splitlines()]
+    test = [r for r in one_per_group(load_split(pairs, "test")) if r["human_ratings"]][:4]  # max_eval_examples
+    assert [w["id"] for w in written] == [r["group_id"] for r in test]
+    gold = np.array([np.mean(r["human_ratings"]) for r in test])
+    assert [w["human_rating"] for w in written] == pytest.approx(gold.tolist())
+    predicted, mean = np.array([w["predicted"] for w in written]), metrics["rating_scale"]["mean"]
+    reported = metrics["other_splits"]["test"]
+    assert reported["n"] == len(test) and reported["rating_mae"] == pytest.approx(np.abs(predicted - gold).mean())
+    assert reported["mae_minus_constant"] == pytest.approx(np.abs(predicted - gold).mean() - np.abs(mean - gold).mean())
+    low, high = reported["mae_minus_constant_ci"]
+    assert low <= reported["mae_minus_constant"] <= high
+
+
+@pytest.mark.stage
 def test_a_paper_is_its_windows_pooled_and_unstandardised(runs):
     """RatingModel.from_run's rating = mean + sd * the mean of the head's score on each window, each
     window run alone; and it reproduces the dev ratings stage 03 wrote."""
@@ -88,18 +109,18 @@ def test_the_encoder_reads_title_abstract_and_introduction():
 def test_source_metrics_on_fixed_predictions():
     """pred [4, 3, 5] vs gold [4.5, 3, 4], constant 4: MAE 0.5, RMSE sqrt(1.25/3), Pearson sqrt(3/7),
     Spearman 0.5 (ranks [2, 1, 3] vs [3, 1, 2]); |pred - gold| - |4 - gold| = [0, -1, 1]: mean 0."""
-    r = source_metrics([4, 3, 5], [4.5, 3, 4], 4.0, seed=0)
+    r = rating_source_metrics([4, 3, 5], [4.5, 3, 4], 4.0, seed=0)
     assert r["rating_mae"] == pytest.approx(0.5) and r["rating_rmse"] == pytest.approx(math.sqrt(1.25 / 3))
     assert r["rating_pearson"] == pytest.approx(math.sqrt(3 / 7)) and r["rating_spearman"] == pytest.approx(0.5)
     assert r["mae_minus_constant"] == pytest.approx(0.0) and r["n"] == 3 and r["n_without_rating"] == 0
     low, high = r["mae_minus_constant_ci"]
     assert -1 <= low <= 0 <= high <= 1
-    better = source_metrics([4.5, 3, 4], [4.5, 3, 4], 4.0, seed=0)  # perfect: 0.5 better than the constant
+    better = rating_source_metrics([4.5, 3, 4], [4.5, 3, 4], 4.0, seed=0)  # perfect: 0.5 better than the constant
     assert better["mae_minus_constant"] == pytest.approx(-0.5) and better["mae_minus_constant_ci"][1] <= 0 < -better["mae_minus_constant_ci"][0]
 
 
 def test_a_paper_without_a_rating_is_kept_out_and_counted():
-    r = source_metrics([4, None, 3, 5, 2], [4.5, 4, 3, 4, None], 4.0, seed=0)
+    r = rating_source_metrics([4, None, 3, 5, 2], [4.5, 4, 3, 4, None], 4.0, seed=0)
     assert r["n"] == 3 and r["n_without_rating"] == 2 and r["rating_mae"] == pytest.approx(0.5)
     premises = [{"human_ratings": [4, 5]}, {"human_ratings": []}, {"human_ratings": [3]}]
     out = rating_sources(premises, {"sft": {"parsed": [4, 4, None], "readout": [4.2, 3.9, 3.1],
