@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def pytest_runtest_teardown(item):
 
 
 def _check_marked_stage(script: str) -> None:
+    if not re.match(r"0[1-5]_\w+\.py$", Path(script).name):  # a helper or bench script is no stage
+        return
     if _running is not None and _running.get_closest_marker("stage") is None:
         pytest.fail(f"{_running.nodeid} runs {script}: mark it @pytest.mark.stage (tests/README.md)", pytrace=False)
 

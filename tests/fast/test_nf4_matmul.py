@@ -8,16 +8,11 @@ Llama 3 8B shapes are the `gpu` tests. The reference is bitsandbytes' own dequan
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-
-from tests.conftest import random_lora, run_in_process
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-TOL = {torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+from conftest import random_lora, run_in_process
+from fast.test_nf4_dequantize import DEVICE, TOL  # the same device and tolerances as the dequantise kernel's
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +217,7 @@ def test_decode_step_on_the_table_gives_the_dequantising_steps_logits(nm, four_b
     assert "nf4_matmul" not in fast.weights_backend(model, "nf4")
 
 
+@pytest.mark.slow  # seconds of Triton's interpreter
 def test_sweep_tiny_runs_and_writes_a_table_grpo_reads(tmp_path):
     """bench/nf4_sweep.py --tiny: its whole code path with a 2-configuration grid (interpreter on the CPU)."""
     from common.fast import nf4_dispatch
