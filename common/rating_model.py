@@ -217,10 +217,40 @@ def train(config, run) -> dict:
     metrics.update(dev, metrics_split=config.audit_split, judge_objective="rating", train_split=config.train_split,
                    rating_scale=scale, n_train_papers=len(train_rows))
     seen = {config.train_split, config.audit_split, *config.train_also}
-    extra = [s for s in config.audit_extra_splits if s not in seen and (Path(config.pairs_run) / f"{s}.jsonl").is_file()]
-    metrics["other_splits"] = {split: _measure(rater, papers(config.pairs_run, split, config.max_eval_examples),
-                                               split, scale["mean"], config.seed, run.dir) for split in extra}
+    extra = {s: papers(config.pairs_run, s, config.max_eval_examples) for s in config.audit_extra_splits
+             if s not in seen and (Path(config.pairs_run) / f"{s}.jsonl").is_file()}
+    metrics["other_splits"] = {split: _measure(rater, rows, split, scale["mean"], config.seed, run.dir)
+                               for split, rows in extra.items()}
+    # 5. What the words alone predict, beside it (as the judge audit's bag of words).
+    metrics["baselines"] = {"bag_of_words": bag_of_words(train_rows, {config.audit_split: dev_rows, **extra},
+                                                         config.audit_split, config.seed)}
     return metrics
+
+
+BOW_ALPHAS = (0.3, 1.0, 3.0, 10.0, 30.0)
+
+
+def bag_of_words(train_rows: list[dict], splits: dict[str, list[dict]], choose_on: str, seed: int) -> dict:
+    """Tf-idf unigrams of each paper's title, abstract and introduction (the encoder's text) -> ridge
+    regression on the train papers' mean rating, its strength chosen among BOW_ALPHAS by MAE on `choose_on`
+    (dev); each split's metrics as a rating source's, against the train mean."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import Ridge
+
+    from common.metrics import rating_source_metrics
+    vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
+                                 token_pattern=r"(?u)\b\w[\w']*\b")
+    x = vectorizer.fit_transform([encoder_text(r) for r in train_rows])
+    y = np.array([gold(r) for r in train_rows])
+    text = {split: vectorizer.transform([encoder_text(r) for r in rows]) for split, rows in splits.items() if rows}
+    golds = {split: [gold(r) for r in rows] for split, rows in splits.items() if rows}
+    models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in BOW_ALPHAS}
+    alpha = min(BOW_ALPHAS, key=lambda a: np.abs(models[a].predict(text[choose_on]) - golds[choose_on]).mean()) \
+        if choose_on in text else BOW_ALPHAS[0]
+    return {"model": f"tf-idf unigrams (min_df 2) of title, abstract and introduction + ridge regression, alpha "
+                     f"chosen on {choose_on} by MAE", "alpha": alpha, "vocabulary": x.shape[1],
+            **{split: rating_source_metrics(models[alpha].predict(text[split]).tolist(), golds[split], float(y.mean()),
+                                            seed) for split in text}}
 
 
 def _measure(rater: "RatingModel", rows: list[dict], split: str, train_mean: float, seed: int, out: Path) -> dict:

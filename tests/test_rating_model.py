@@ -74,6 +74,8 @@ def test_the_test_papers_are_rated_and_reported_beside_dev_never_chosen_on(runs)
     assert reported["mae_minus_constant"] == pytest.approx(np.abs(predicted - gold).mean() - np.abs(mean - gold).mean())
     low, high = reported["mae_minus_constant_ci"]
     assert low <= reported["mae_minus_constant"] <= high
+    bow = metrics["baselines"]["bag_of_words"]
+    assert bow["dev"]["n"] == metrics["n"] and bow["test"]["n"] == len(test)
 
 
 @pytest.mark.stage
@@ -102,6 +104,28 @@ def test_the_encoder_reads_title_abstract_and_introduction():
     from common.rating_model import encoder_text
     row = {"paper": "# T\n\n## Abstract\n\nWe do X.\n\n## 1 Introduction\n\nX matters.\n\n## 2 Method\n\nSecret."}
     assert encoder_text(row) == "# T\n\n## Abstract\n\nWe do X.\n\n## 1 Introduction\n\nX matters."
+
+
+def test_the_bag_of_words_baseline_finds_a_rating_that_the_words_decide():
+    """Papers whose introduction says "excellent" are rated 6, "flawed" 2: the words alone predict the dev and
+    test ratings, far better than the train mean."""
+    from common.rating_model import BOW_ALPHAS, bag_of_words, encoder_text
+    rng = np.random.default_rng(0)
+    filler = ["model", "data", "method", "results", "training", "task", "loss", "baseline", "study", "network"]
+
+    def paper(i):
+        good = i % 2 == 0
+        words = " ".join(rng.choice(filler, 30))
+        return {"paper": f"# Paper {i}\n\n## Abstract\n{words}\n\n## 1 Introduction\nThe approach is "
+                         f"{'excellent' if good else 'flawed'}. {words}\n\n## 2 Method\nexcellent flawed",
+                "human_ratings": [6, 6] if good else [2, 2]}
+    rows = [paper(i) for i in range(60)]
+    assert "Method" not in encoder_text(rows[0])  # the introduction ends at the next heading
+    out = bag_of_words(rows[:40], {"dev": rows[40:50], "test": rows[50:]}, "dev", seed=0)
+    assert out["alpha"] in BOW_ALPHAS and out["vocabulary"] > 10
+    for split in ("dev", "test"):
+        assert out[split]["n"] == 10 and out[split]["rating_spearman"] > 0.8
+        assert out[split]["mae_minus_constant_ci"][1] < 0  # clearly better than the train mean (4)
 
 
 # --- the sources ------------------------------------------------------------------------------------
