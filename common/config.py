@@ -142,7 +142,7 @@ class TrainArgs:
     num_train_epochs: float = arg(1.0, "epochs over the training data (max_steps wins when set)", gt=0)
     max_steps: int = arg(-1, "optimiser steps to train; -1: num_train_epochs decides", ge=-1)
     per_device_train_batch_size: int = arg(8, "examples per micro-batch and process", ge=1, plain=KEPT)
-    gradient_accumulation_steps: int = arg(1, "micro-batches per optimiser step", ge=1)
+    gradient_accumulation_steps: int = arg(1, "micro-batches per optimiser step", ge=1, plain=KEPT)
     warmup_ratio: float = arg(0.03, "share of the steps spent warming the learning rate up", ge=0, lt=1)
     lr_scheduler_type: LR_SCHEDULERS = arg("cosine", "learning-rate schedule")
     weight_decay: float = arg(0.0, "AdamW weight decay", ge=0)
@@ -516,7 +516,8 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
         "steps; null: TRL's default, gradient_accumulation_steps (one generation batch per optimiser step, sampled "
         "by the policy it updates, as before this field). k x gradient_accumulation_steps shares a batch over k "
         "optimiser steps: the later ones clip their importance ratio to the sampling policy's log-probs (TRL's "
-        "epsilon; clip_ratio/* in the log, metrics.json rollouts)", ge=1)
+        "epsilon; clip_ratio/* in the log, metrics.json rollouts)", ge=1,
+        plain=KEPT)  # the memory plan sizes the rollout's cache by it
     rollout_weights: Literal["nf4", "bf16"] = arg(
         "nf4", "static rollouts: nf4 samples on the 4-bit base as it trains; bf16 on a bf16 copy of the frozen "
         "base made once (about 2 bytes a base weight more: ~14 GB for 8B), the LoRA unmerged on top, so "
