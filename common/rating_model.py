@@ -227,32 +227,6 @@ def train(config, run) -> dict:
     return metrics
 
 
-BOW_ALPHAS = (0.3, 1.0, 3.0, 10.0, 30.0)
-
-
-def bag_of_words(train_rows: list[dict], splits: dict[str, list[dict]], choose_on: str, seed: int) -> dict:
-    """Tf-idf unigrams of each paper's title, abstract and introduction (the encoder's text) -> ridge
-    regression on the train papers' mean rating, its strength chosen among BOW_ALPHAS by MAE on `choose_on`
-    (dev); each split's metrics as a rating source's, against the train mean."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import Ridge
-
-    from common.metrics import rating_source_metrics
-    vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
-                                 token_pattern=r"(?u)\b\w[\w']*\b")
-    x = vectorizer.fit_transform([encoder_text(r) for r in train_rows])
-    y = np.array([gold(r) for r in train_rows])
-    text = {split: vectorizer.transform([encoder_text(r) for r in rows]) for split, rows in splits.items() if rows}
-    golds = {split: [gold(r) for r in rows] for split, rows in splits.items() if rows}
-    models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in BOW_ALPHAS}
-    alpha = min(BOW_ALPHAS, key=lambda a: np.abs(models[a].predict(text[choose_on]) - golds[choose_on]).mean()) \
-        if choose_on in text else BOW_ALPHAS[0]
-    return {"model": f"tf-idf unigrams (min_df 2) of title, abstract and introduction + ridge regression, alpha "
-                     f"chosen on {choose_on} by MAE", "alpha": alpha, "vocabulary": x.shape[1],
-            **{split: rating_source_metrics(models[alpha].predict(text[split]).tolist(), golds[split], float(y.mean()),
-                                            seed) for split in text}}
-
-
 def _measure(rater: "RatingModel", rows: list[dict], split: str, train_mean: float, seed: int, out: Path) -> dict:
     """The rating model on one split's papers: `<split>_ratings.jsonl` and the split's rating metrics."""
     from common.metrics import rating_source_metrics
@@ -262,6 +236,53 @@ def _measure(rater: "RatingModel", rows: list[dict], split: str, train_mean: flo
     result = rating_source_metrics(predicted, [gold(r) for r in rows], train_mean, seed)
     log.info("%s: %s", split, {k: v for k, v in result.items() if not k.endswith("_ci")})
     return result
+
+
+BOW_ALPHAS = (0.3, 1.0, 3.0, 10.0, 30.0)
+
+
+class BagOfWords:
+    """What the words alone predict: tf-idf unigrams (min_df 2) of each paper's title, abstract and
+    introduction (the encoder's text) -> ridge regression on the train papers' mean rating, one fit per
+    strength of BOW_ALPHAS. Deterministic: stage 05 refits it from the rating run's train papers."""
+
+    def __init__(self, train_rows: list[dict]):
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import Ridge
+        self.vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
+                                          token_pattern=r"(?u)\b\w[\w']*\b")
+        x = self.vectorizer.fit_transform([encoder_text(r) for r in train_rows])
+        y = np.array([gold(r) for r in train_rows])
+        self.vocabulary, self.train_mean = x.shape[1], float(y.mean())
+        self.models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in BOW_ALPHAS}
+
+    def predict(self, rows: list[dict], alpha: float) -> list[float]:
+        return self.models[alpha].predict(self.vectorizer.transform([encoder_text(r) for r in rows])).tolist()
+
+    @classmethod
+    def of_run(cls, run_dir: str | Path) -> tuple["BagOfWords", float] | None:
+        """A rating run's bag of words, refitted on its train papers, and the strength it chose on dev; None for
+        a run from before it had one."""
+        from common.config import load_run_config
+        chosen = read_json(Path(run_dir) / "metrics.json").get("baselines", {}).get("bag_of_words")
+        if not chosen:
+            return None
+        config = load_run_config(run_dir)
+        return cls(papers(config.pairs_run, config.train_split, config.max_train_examples)), chosen["alpha"]
+
+
+def bag_of_words(train_rows: list[dict], splits: dict[str, list[dict]], choose_on: str, seed: int) -> dict:
+    """BagOfWords on the train papers, its strength chosen among BOW_ALPHAS by MAE on `choose_on` (dev);
+    each split's metrics as a rating source's, against the train mean."""
+    from common.metrics import rating_source_metrics
+    bow = BagOfWords(train_rows)
+    golds = {split: [gold(r) for r in rows] for split, rows in splits.items() if rows}
+    mae = lambda a: np.abs(np.array(bow.predict(splits[choose_on], a)) - golds[choose_on]).mean()  # noqa: E731
+    alpha = min(BOW_ALPHAS, key=mae) if choose_on in golds else BOW_ALPHAS[0]
+    return {"model": f"tf-idf unigrams (min_df 2) of title, abstract and introduction + ridge regression, alpha "
+                     f"chosen on {choose_on} by MAE", "alpha": alpha, "vocabulary": bow.vocabulary,
+            **{split: rating_source_metrics(bow.predict(splits[split], alpha), golds[split], bow.train_mean, seed)
+               for split in golds}}
 
 
 # --- stage 05 -------------------------------------------------------------------------------------

@@ -3,14 +3,15 @@ rating (review task; docs/review.md, "Every rating source").
 
 Sources, per generating model M: `M_parsed` (the rating written in its review), `M_readout` (the
 model's expected rating read from its next-token distribution, common/readout.py) and `M_blend`;
-besides them `rating_model` (stage 03's rating model, `--rating_run`), `baseline_constant` (the train
+besides them `rating_model` (stage 03's rating model, `--rating_run`), `bag_of_words` (the words of the
+paper alone: the rating run's ridge baseline, refitted on its train papers), `baseline_constant` (the train
 split's mean) and `baseline_human` (one reviewer against the mean of the paper's others). Each gets MAE,
 RMSE, Pearson and Spearman with 95% bootstrap intervals, `n`, `n_without_rating` (papers without a
 prediction or without a human rating: kept out, counted) and `mae_minus_constant`, the paired difference
 of its MAE to the constant's on the same papers, with its interval.
 
-The blend is a least-squares line through the model's rating (parsed where written, read out elsewhere)
-and the rating model's, with an intercept, fitted on the DEV papers of an Eval run on the dev split
+The blend is a least-squares line through the model's rating (parsed where written, read out elsewhere),
+the rating model's and the bag of words', with an intercept, fitted on the DEV papers of an Eval run on the dev split
 (`--rating_dev_run`) and only then applied to the scored papers: the scored papers never enter the fit.
 A source that hardly varies on the dev papers is left out of it (MIN_SPREAD; `flat` in the blend says so).
 """
@@ -99,7 +100,7 @@ def rating_inputs(config, run, premises: list[dict]) -> dict:
     trained on a scored paper."""
     from common.data import load_split, one_per_group, premise_digest
     from common.judges import train_posts
-    from common.rating_model import RatingModel
+    from common.rating_model import BagOfWords, RatingModel
     out = {"dev": dev_ratings(config, run) if config.rating_dev_run else {}}
     dev_ids = {i for ratings in out["dev"].values() for i in ratings}
     out["dev_rows"] = [r for r in one_per_group(load_split(config.pairs_run, "dev")) if r["id"] in dev_ids]
@@ -113,6 +114,11 @@ def rating_inputs(config, run, premises: list[dict]) -> dict:
         out["rating_model"] = model.predict(premises)
         out["rating_model_dev"] = dict(zip([r["id"] for r in out["dev_rows"]], model.predict(out["dev_rows"])))
         del model
+        words = BagOfWords.of_run(config.rating_run)  # on the same train papers, so the check above covers it
+        if words:
+            bow, alpha = words
+            out["bag_of_words"] = bow.predict(premises, alpha)
+            out["bag_of_words_dev"] = dict(zip([r["id"] for r in out["dev_rows"]], bow.predict(out["dev_rows"], alpha)))
     return out
 
 
@@ -145,8 +151,9 @@ def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], 
         preds[f"{model}_parsed"] = values["parsed"]
         if any(v is not None for v in values["readout"]):
             preds[f"{model}_readout"] = values["readout"]
-    if "rating_model" in extra:
-        preds["rating_model"] = extra["rating_model"]
+    for source in ("rating_model", "bag_of_words"):
+        if source in extra:
+            preds[source] = extra[source]
     preds["baseline_constant"] = [train_mean] * len(premises)
     out = {name: rating_source_metrics(pred, gold, train_mean, seed) for name, pred in preds.items()}
     blends = {}
@@ -156,9 +163,10 @@ def rating_sources(premises: list[dict], per_model: dict[str, dict[str, list]], 
         dev_rows = [r for r in extra["dev_rows"] if r["id"] in dev]
         features = {f"{model}_rating": [dev[r["id"]] for r in dev_rows]}
         scored = {f"{model}_rating": per_model[model]["rating"]}
-        if "rating_model" in extra:
-            features["rating_model"] = [extra["rating_model_dev"][r["id"]] for r in dev_rows]
-            scored["rating_model"] = extra["rating_model"]
+        for source in ("rating_model", "bag_of_words"):
+            if source in extra:
+                features[source] = [extra[f"{source}_dev"][r["id"]] for r in dev_rows]
+                scored[source] = extra[source]
         blend = fit_blend(features, [_gold(r) for r in dev_rows])
         preds[f"{model}_blend"] = apply_blend(blend, scored)
         out[f"{model}_blend"] = {**rating_source_metrics(preds[f"{model}_blend"], gold, train_mean, seed), "blend": blend}

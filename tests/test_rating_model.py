@@ -205,12 +205,21 @@ def test_stage_05_reports_every_rating_source(runs):
     proc = run_stage("05_eval.py", *common, "--max_premises", "3", "--rating_run", rating, "--rating_dev_run", dev)
     evalrun = run_dir_of(proc)
     sources = json.loads((evalrun / "eval.json").read_text())["rating_sources"]
-    assert set(sources) == {"base_parsed", "base_readout", "rating_model", "baseline_constant", "base_blend",
-                            "baseline_human"}
+    assert set(sources) == {"base_parsed", "base_readout", "rating_model", "bag_of_words", "baseline_constant",
+                            "base_blend", "baseline_human"}
     assert sources["rating_model"]["n"] == 3 and "rating_spearman_ci" in sources["rating_model"]
+    # the bag of words of the rating run, refitted on its train papers, rates as stage 03 measured it on dev
+    from common.rating_model import BagOfWords, papers
+    bow, alpha = BagOfWords.of_run(rating)
+    stage03 = json.loads((rating / "metrics.json").read_text())["baselines"]["bag_of_words"]
+    assert alpha == stage03["alpha"]
+    assert rating_source_metrics(bow.predict(papers(pairs, "dev", 4), alpha), [np.mean(r["human_ratings"]) for r in
+                                 papers(pairs, "dev", 4)], bow.train_mean, 42)["rating_mae"] == \
+        pytest.approx(stage03["dev"]["rating_mae"])
+    assert sources["bag_of_words"]["n"] == 3
     assert sources["base_blend"]["blend"]["n_fit"] == 5
     blend = sources["base_blend"]["blend"]  # a source that hardly varies on the dev papers is left out, named
-    assert set(blend["weights"]) | set(blend["flat"]) == {"base_rating", "rating_model"}
+    assert set(blend["weights"]) | set(blend["flat"]) == {"base_rating", "rating_model", "bag_of_words"}
     assert not set(blend["weights"]) & set(blend["flat"]) and all(sd < 0.1 for sd in blend["flat"].values())
     for name in sources:
         assert (evalrun / f"rating_{name}_scatter.png").is_file()
