@@ -158,11 +158,15 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
              config.train_split, len(dev_rows), config.audit_split)
 
-    # 3'. No neural model: the feature judge is a logistic regression fitted here (feature_judge.json);
-    #     an ensemble loads its judge runs and measures each one's scale on the train replies
-    #     (ensemble.json, train_posts.json: its members' posts). Both are judged and audited below.
+    # 3'. No neural model: the feature judge is a logistic regression fitted here (feature_judge.json), on the
+    #     hard-negative and corruption pairs too; an ensemble loads its judge runs and measures each one's
+    #     scale on the train replies (ensemble.json, train_posts.json: its members' posts). Both are judged
+    #     and audited below.
     if config.judge_backbone in ("features", "ensemble"):
-        scorer, metrics, n_dropped, bad_counts = fit_without_training(config, run, train_rows, members), {}, 0, {}
+        bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share) \
+            if config.corruptions else ([], {})
+        scorer = fit_without_training(config, run, train_rows + hard_rows + bad_rows, members)
+        metrics, n_dropped = {}, 0
     else:  # 3-4. A model judge, trained (train_model_judge)
         scorer, metrics, n_dropped, bad_counts = train_model_judge(config, run, train_rows, hard_rows, hard_counts, dev_rows)
 

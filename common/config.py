@@ -438,9 +438,9 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         if self.judge_backbone in ("features", "ensemble") and self.early_stopping_patience:
             raise ConfigError(f"field 'early_stopping_patience': judge_backbone {self.judge_backbone} has no epochs "
                               f"to stop (nothing is trained by gradient steps); leave it 0", "early_stopping_patience")
-        if self.judge_backbone in ("features", "ensemble") and (self.corruptions or self.hard_negatives):
-            raise ConfigError(f"fields 'corruptions' / 'hard_negatives' add training pairs to a neural judge; "
-                              f"judge_backbone {self.judge_backbone} does not train on them", "corruptions")
+        if self.judge_backbone == "ensemble" and (self.corruptions or self.hard_negatives):
+            raise ConfigError("fields 'corruptions' / 'hard_negatives' add training pairs; judge_backbone ensemble "
+                              "trains nothing (train its members with them)", "corruptions")
         if self.judge_backbone == "ensemble" and (self.cross_fit_folds or self.train_also):
             raise ConfigError("field 'cross_fit_folds' / 'train_also': an ensemble trains nothing; its members' "
                               "train_posts.json say what it trained on", "cross_fit_folds")

@@ -7,6 +7,10 @@ words that are in the post and of the post's that are in the reply. Style: lengt
 paragraphs, hedges, definite and indefinite articles, second-person pronouns, questions, quoted lines
 (`>`), quotation marks, links, examples ("for example", "e.g.", ...) and numbers. Counts are log1p:
 a pair's two replies are length-balanced by stage 01, and the difference of logs is a ratio.
+Form (the gibberish audit's kinds, common/corruptions.py): the share of word pairs that are common English
+ones ("of the", "it is": shuffled words and word salad break them), distinct word pairs (repetition),
+repeated sentences, whether the reply ends a sentence (a cut reply does not), the share of its 5-grams
+found in the post (a copy of it) and the share of stop words.
 `features(premise, reply)` gives one vector in the order of FEATURE_NAMES.
 """
 from __future__ import annotations
@@ -18,7 +22,7 @@ from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
 # Bumped whenever what a feature measures changes: a saved feature judge records it and is refused
 # by a version of this module that would compute other numbers.
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2  # 2: the form features
 
 HEDGES = ("might", "perhaps", "maybe", "possibly", "probably", "could be", "may be", "seems", "seem",
           "i think", "i believe", "i guess", "likely", "somewhat", "arguably", "it appears", "sort of", "kind of")
@@ -29,7 +33,20 @@ INTERPLAY = ["shared_words", "shared_stop_words", "shared_content_words", "jacca
              "jaccard_content_words", "reply_words_in_op", "op_words_in_reply"]
 STYLE = ["log_words", "paragraphs", "hedges", "definite_articles", "indefinite_articles", "second_person",
          "questions", "quoted_lines", "quotation_marks", "links", "examples", "numbers"]
-FEATURE_NAMES = INTERPLAY + STYLE
+FORM = ["common_bigrams", "distinct_2", "repeated_sentences", "ends_a_sentence", "premise_5grams", "stop_word_share"]
+FEATURE_NAMES = INTERPLAY + STYLE + FORM
+
+# Frequent English word pairs, mostly of function words: in running text a few in a hundred pairs, in
+# the same words shuffled or drawn at random almost none.
+COMMON_BIGRAMS = frozenset((
+    "of the", "in the", "to the", "on the", "and the", "for the", "to be", "it is", "that the", "is a", "with the",
+    "is the", "at the", "from the", "by the", "i think", "do not", "does not", "is not", "you are", "if you", "in a",
+    "of a", "as a", "it's not", "there is", "there are", "that is", "this is", "can be", "have to", "want to",
+    "need to", "would be", "will be", "has been", "have been", "a lot", "lot of", "one of", "some of", "such as",
+    "more than", "rather than", "you can", "you have", "they are", "we are", "i don't", "don't think", "going to",
+    "the same", "because the", "and i", "but i", "if the", "what you"))
+SENTENCE = re.compile(r"(?<=[.!?])\s+")
+ENDS_SENTENCE = re.compile(r"[.!?][\"')\]]*$")
 
 WORD = re.compile(r"[a-z0-9][a-z0-9']*")
 LINK = re.compile(r"https?://|www\.", re.I)
@@ -79,9 +96,23 @@ def style(reply: str) -> list[float]:
     return [math.log1p(len(reply.split()))] + [math.log1p(c) for c in counts]
 
 
+def form(premise: str, reply: str) -> list[float]:
+    tokens = words(reply)
+    pairs = [f"{a} {b}" for a, b in zip(tokens, tokens[1:])]
+    sentences = [s.strip().lower() for s in SENTENCE.split(reply) if s.strip()]
+    post_5grams = set(zip(*[words(premise)[i:] for i in range(5)]))
+    reply_5grams = list(zip(*[tokens[i:] for i in range(5)]))
+    return [sum(p in COMMON_BIGRAMS for p in pairs) / max(1, len(pairs)),
+            len(set(pairs)) / max(1, len(pairs)),
+            1 - len(set(sentences)) / max(1, len(sentences)),
+            1.0 if ENDS_SENTENCE.search(reply.strip()) else 0.0,
+            sum(g in post_5grams for g in reply_5grams) / max(1, len(reply_5grams)),
+            sum(t in ENGLISH_STOP_WORDS for t in tokens) / max(1, len(tokens))]
+
+
 def features(premise: str, reply: str) -> list[float]:
     """One reply's feature vector (FEATURE_NAMES' order) against the post it answers."""
-    return interplay(premise, reply) + style(reply)
+    return interplay(premise, reply) + style(reply) + form(premise, reply)
 
 
 def premise_text(prompt: list[dict]) -> str:

@@ -145,12 +145,12 @@ for name in grpo_from_base dpo orpo raft; do [[ -s "$LOGS/$name.dir" ]] && polic
 
 # 3b. The judge's second round (HARD_NEGATIVES=1): the GRPO policy whose reward rose most answers MAX_PREMISES
 #     train premises; its replies become losers against the real winners of those posts in the training judge's
-#     recipe (03 --hard_negatives), beside the eval below; the levers table gets its row. A feature judge or an
-#     ensemble trains on no such pairs: the step says so and is skipped.
+#     recipe (03 --hard_negatives), beside the eval below; the levers table gets its row. An ensemble trains
+#     on no such pairs (its members do): the step says so and is skipped.
 hardened=""
 if [[ ${HARD_NEGATIVES:-0} == 1 ]]; then
   backbone=$(sed -n 's/^judge_backbone: *//p' "$judge/config.yaml" 2>/dev/null || true)
-  if [[ $backbone == features || $backbone == ensemble ]]; then
+  if [[ $backbone == ensemble ]]; then
     echo "hard negatives: the training judge ($judge_name, $backbone) trains on no extra pairs; skipped" >&2
   else
     # shellcheck disable=SC2086

@@ -25,7 +25,7 @@ REPLY = ("> dogs need too much time\n\nPerhaps, but you might find that a dog ge
 
 def test_features_on_fixed_text():
     f = dict(zip(FEATURE_NAMES, features(POST, REPLY)))
-    assert len(f) == len(FEATURE_NAMES) == 20
+    assert len(f) == len(FEATURE_NAMES) == 26
     op = {"cats", "are", "better", "pets", "than", "dogs", "i", "think", "need", "too", "much", "time", "and", "quiet"}
     # Reply word types shared with the post: dogs, need, time, quiet, cats (content) and too, much (stop words).
     assert f["shared_words"] == pytest.approx(math.log1p(7))
@@ -41,6 +41,28 @@ def test_features_on_fixed_text():
     # The same reply to a post it shares nothing with: no interplay, the same style.
     other = dict(zip(FEATURE_NAMES, features("Zebras graze.", REPLY)))
     assert other["shared_words"] == other["jaccard_words"] == 0 and other["hedges"] == f["hedges"]
+
+
+def test_form_features_see_each_kind_of_gibberish():
+    """Each form feature on a reply and on its corruptions (common/corruptions.py): shuffled and salad words
+    lose the common word pairs, repetition loses distinct pairs and repeats sentences, a cut reply ends no
+    sentence, a copy of the post is all post 5-grams."""
+    from common.corruptions import corrupt
+    post = "I think that the minimum wage should be raised because it is the fair thing to do for workers."
+    reply = ("It is not clear that a higher minimum wage helps the workers it is meant for. In the short run some of "
+             "them lose hours. There is a lot of evidence on both sides, and I think you have to weigh it. What do "
+             "the studies of the same policy in other cities say?")
+    f = lambda text: dict(zip(FEATURE_NAMES, features(post, text)))  # noqa: E731
+    real = f(reply)
+    assert real["ends_a_sentence"] == 1 and real["repeated_sentences"] == 0 and real["premise_5grams"] == 0
+    assert real["common_bigrams"] > 0.1 and real["distinct_2"] > 0.95
+    bad = {kind: f(corrupt(kind, reply, post, ["Another reply."], seed=0)) for kind in ("shuffle", "salad", "repeat",
+                                                                                       "premise_copy", "cut")}
+    assert bad["shuffle"]["common_bigrams"] < real["common_bigrams"] / 2
+    assert bad["salad"]["common_bigrams"] < real["common_bigrams"] / 2
+    assert bad["repeat"]["distinct_2"] < 0.5 and bad["repeat"]["repeated_sentences"] >= 0.5
+    assert bad["premise_copy"]["premise_5grams"] == 1
+    assert bad["cut"]["ends_a_sentence"] == 0
 
 
 def test_feature_scorer_learns_a_planted_cue():
@@ -122,6 +144,22 @@ def test_feature_judge_trains_through_stage_03_and_reloads(judges):
 
 
 @pytest.mark.stage
+def test_feature_judge_trains_on_corruptions_and_ranks_them_lower(judges):
+    """--corruptions: the (real over corrupted) pairs join the regression, counted in metrics.json; the gibberish
+    audit then prefers the real reply at least as often as the judge fitted without them, for every kind it
+    learnt to see (repeated and cut replies)."""
+    run = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward_features.yaml",
+                               "--pairs_run", judges["pairs"], "--runs_dir", judges["runs"], "--corruptions", "repeat",
+                               "cut", "--corruption_share", "1", "--run_name", "Features_corruptions"))
+    metrics = json.loads((run / "metrics.json").read_text())
+    n_train = metrics["n_train_pairs"]
+    assert metrics["corruption_pairs"]["repeat"] > n_train / 2 and metrics["corruption_pairs"]["cut"] > n_train / 2
+    shares = {r: json.loads((r / "judge_audit.json").read_text())["corruption"]["kinds"] for r in (run, judges["a"])}
+    for kind in ("repeat", "cut"):
+        assert shares[run][kind]["share"] >= shares[judges["a"]][kind]["share"] and shares[run][kind]["share"] > 0.9
+
+
+@pytest.mark.stage
 def test_ensemble_of_judge_runs_is_built_audited_and_reloaded(judges, tmp_path):
     run = run_dir_of(_ensemble(judges, judges["a"], judges["b"], combine_="mean_minus_std"))
     saved = json.loads((run / "ensemble.json").read_text())
@@ -178,6 +216,7 @@ def test_eval_takes_an_ensemble_and_refuses_a_changed_member(judges):
     ({"judge_backbone": "ensemble", "ensemble_of": ["a", "b"], "train_also": ["dev"]}, "cross_fit_folds"),
     ({"judge_backbone": "ensemble", "ensemble_of": ["a"]}, "ensemble_of"),
     ({"judge_backbone": "features", "ensemble_of": ["a", "b"]}, "ensemble_of"),
+    ({"judge_backbone": "ensemble", "ensemble_of": ["a", "b"], "corruptions": ["cut"]}, "corruptions"),
 ])
 def test_settings_the_feature_judge_and_ensembles_cannot_use_are_refused(fields, field):
     from common.config import ConfigError, RewardStageConfig

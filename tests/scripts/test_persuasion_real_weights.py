@@ -126,14 +126,14 @@ def test_the_chain_fails_when_a_stage_fails_and_names_it(tmp_path, fail, guard, 
 
 def test_the_judges_second_round_trains_on_the_practised_policys_replies(tmp_path):
     """HARD_NEGATIVES=1: the rising GRPO policy answers train premises, the training judge's recipe trains
-    again on those replies as losers, and a feature judge (which trains on no such pairs) skips the step."""
+    again on those replies as losers (a feature judge too), and an ensemble (which trains nothing) skips the step."""
     code, out = _chain(tmp_path, HARD_NEGATIVES="1")
     assert code == 0, out[-3000:]
     runs = tmp_path / "runs"
     assert (runs / "HardNegative_Replies").is_dir() and (runs / "Judge_j+hard_negatives").is_dir(), out[-3000:]
     shutil.rmtree(runs)
     (runs / "Judge").mkdir(parents=True)
-    (runs / "Judge" / "config.yaml").write_text("judge_backbone: features\n")
+    (runs / "Judge" / "config.yaml").write_text("judge_backbone: ensemble\n")
     code, out = _chain(tmp_path, HARD_NEGATIVES="1")
-    assert code == 0 and "hard negatives: the training judge (j, features) trains on no extra pairs" in out
+    assert code == 0 and "hard negatives: the training judge (j, ensemble) trains on no extra pairs" in out
     assert not (runs / "HardNegative_Replies").exists()
