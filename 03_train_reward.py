@@ -158,15 +158,11 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     log.info("%s judge on %d %s pairs, judged on %d %s pairs", config.judge_objective, len(train_rows),
              config.train_split, len(dev_rows), config.audit_split)
 
-    # 3'. No neural model: the feature judge is a logistic regression fitted here (feature_judge.json), on the
-    #     hard-negative and corruption pairs too; an ensemble loads its judge runs and measures each one's
-    #     scale on the train replies (ensemble.json, train_posts.json: its members' posts). Both are judged
-    #     and audited below.
+    # 3'. No neural model: the feature judge is a logistic regression fitted here (feature_judge.json, on the
+    #     hard-negative and corruption pairs too); an ensemble loads its judge runs and measures each one's scale
+    #     on the train replies (ensemble.json, train_posts.json: its members' posts). Both are audited below.
     if config.judge_backbone in ("features", "ensemble"):
-        bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share) \
-            if config.corruptions else ([], {})
-        scorer = fit_without_training(config, run, train_rows + hard_rows + bad_rows, members)
-        metrics, n_dropped = {}, 0
+        (scorer, bad_counts), metrics, n_dropped = fit_without_training(config, run, train_rows, hard_rows, members), {}, 0
     else:  # 3-4. A model judge, trained (train_model_judge)
         scorer, metrics, n_dropped, bad_counts = train_model_judge(config, run, train_rows, hard_rows, hard_counts, dev_rows)
 
@@ -207,15 +203,19 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     run.finish(metrics)
 
 
-def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict], members: list[dict]):
-    """The feature judge fitted on the train pairs, or the ensemble of judge runs (`members`) built; saved in the run."""
+def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict], hard_rows: list[dict],
+                         members: list[dict]):
+    """The feature judge fitted on the train pairs, the hard-negative ones and the train pairs' corruptions, or
+    the ensemble of judge runs (`members`) built; saved in the run. Returns it and the corruption pairs' counts."""
     if config.judge_backbone == "features":
-        scorer = FeatureScorer.fit(train_rows)
+        bad_rows, bad_counts = corruption_pairs(train_rows, config.corruptions, config.seed, config.corruption_share) \
+            if config.corruptions else ([], {})
+        scorer = FeatureScorer.fit(train_rows + hard_rows + bad_rows)
         scorer.name = run.dir.name
         scorer.save(run.dir)
-        return scorer
-    return EnsembleScorer.build(config, run.dir, members, train_rows,
-                                batch_size=config.per_device_train_batch_size, packed=config.fast_paths)
+        return scorer, bad_counts
+    return EnsembleScorer.build(config, run.dir, members, train_rows, batch_size=config.per_device_train_batch_size,
+                                packed=config.fast_paths), {}
 
 
 def training_pairs(config: RewardStageConfig) -> tuple[list[dict], dict[str, list[dict]]]:
