@@ -71,11 +71,18 @@ def _pairwise_accuracy(model, x_chosen, x_rejected) -> float:
     return float(wins(np.ravel(model.decision_function(x_chosen)), np.ravel(model.decision_function(x_rejected))).mean())
 
 
+def word_tfidf():
+    """The bag of words of every baseline (a judge's here, the rating model's in common/rating_model.py):
+    tf-idf of lower-cased unigrams seen in at least two training texts, sublinear counts."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    return TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
+                           token_pattern=r"(?u)\b\w[\w']*\b")
+
+
 def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) -> dict:
     """Length-only and bag-of-words pairwise logistic regressions, fitted on `train`, with their
     accuracy on `train` and on every split of `evals`. The bag-of-words model also lists the words
     that most favour the winner and the loser (a leftover give-away shows up there)."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
     out = {}
     length_features = LengthFeatures([p["chosen"] for p in train] + [p["rejected"] for p in train])
     feats = lambda rows, key: length_features([p[key] for p in rows])  # noqa: E731
@@ -87,8 +94,7 @@ def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) 
         "train_accuracy": _pairwise_accuracy(length_model, feats(train, "chosen"), feats(train, "rejected")),
         **{f"{name}_accuracy": _pairwise_accuracy(length_model, feats(rows, "chosen"), feats(rows, "rejected"))
            for name, rows in evals.items() if rows}}
-    vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
-                                 token_pattern=r"(?u)\b\w[\w']*\b")
+    vectorizer = word_tfidf()
     vectorizer.fit([p["chosen"] for p in train] + [p["rejected"] for p in train])
     vec = lambda rows, key: vectorizer.transform([p[key] for p in rows])  # noqa: E731
     bow = _fit_pairwise(vec(train, "chosen"), vec(train, "rejected"))

@@ -244,17 +244,17 @@ BOW_ALPHAS = (0.3, 1.0, 3.0, 10.0, 30.0)
 class BagOfWords:
     """What the words alone predict: tf-idf unigrams (min_df 2) of each paper's title, abstract and
     introduction (the encoder's text) -> ridge regression on the train papers' mean rating, one fit per
-    strength of BOW_ALPHAS. Deterministic: stage 05 refits it from the rating run's train papers."""
+    strength of `alphas`. Deterministic: stage 05 refits it from the rating run's train papers."""
 
-    def __init__(self, train_rows: list[dict]):
-        from sklearn.feature_extraction.text import TfidfVectorizer
+    def __init__(self, train_rows: list[dict], alphas=BOW_ALPHAS):
         from sklearn.linear_model import Ridge
-        self.vectorizer = TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
-                                          token_pattern=r"(?u)\b\w[\w']*\b")
+
+        from common.audit import word_tfidf
+        self.vectorizer = word_tfidf()
         x = self.vectorizer.fit_transform([encoder_text(r) for r in train_rows])
         y = np.array([gold(r) for r in train_rows])
         self.vocabulary, self.train_mean = x.shape[1], float(y.mean())
-        self.models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in BOW_ALPHAS}
+        self.models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in alphas}
 
     def predict(self, rows: list[dict], alpha: float) -> list[float]:
         return self.models[alpha].predict(self.vectorizer.transform([encoder_text(r) for r in rows])).tolist()
@@ -268,7 +268,8 @@ class BagOfWords:
         if not chosen:
             return None
         config = load_run_config(run_dir)
-        return cls(papers(config.pairs_run, config.train_split, config.max_train_examples)), chosen["alpha"]
+        alpha = chosen["alpha"]
+        return cls(papers(config.pairs_run, config.train_split, config.max_train_examples), (alpha,)), alpha
 
 
 def bag_of_words(train_rows: list[dict], splits: dict[str, list[dict]], choose_on: str, seed: int) -> dict:
