@@ -11,18 +11,24 @@ Form (the gibberish audit's kinds, common/corruptions.py): the share of word pai
 ones ("of the", "it is": shuffled words and word salad break them), distinct word pairs (repetition),
 repeated sentences, whether the reply ends a sentence (a cut reply does not), the share of its 5-grams
 found in the post (a copy of it) and the share of stop words.
-`features(premise, reply)` gives one vector in the order of FEATURE_NAMES.
+`features(premise, reply)` gives those in the order of TEXT_FEATURES.
+Topic (fitted, `Topic`): the cosine of the reply's and the post's tf-idf vectors (content words, idf from
+the train posts and replies), and that cosine cut at `floor`, a low quantile of the train replies' own.
+Winners share fewer words with the post than losers do (Tan et al. found the same), so a judge fitted on
+the pairs alone rewards an unrelated reply; the cut feature is constant over most real replies and tells
+the judge, from the `other_post` corruption pairs, what too little in common costs.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
 # Bumped whenever what a feature measures changes: a saved feature judge records it and is refused
 # by a version of this module that would compute other numbers.
-FEATURES_VERSION = 2  # 2: the form features
+FEATURES_VERSION = 3  # 2: the form features; 3: the topic features
 
 HEDGES = ("might", "perhaps", "maybe", "possibly", "probably", "could be", "may be", "seems", "seem",
           "i think", "i believe", "i guess", "likely", "somewhat", "arguably", "it appears", "sort of", "kind of")
@@ -34,7 +40,10 @@ INTERPLAY = ["shared_words", "shared_stop_words", "shared_content_words", "jacca
 STYLE = ["log_words", "paragraphs", "hedges", "definite_articles", "indefinite_articles", "second_person",
          "questions", "quoted_lines", "quotation_marks", "links", "examples", "numbers"]
 FORM = ["common_bigrams", "distinct_2", "repeated_sentences", "ends_a_sentence", "premise_5grams", "stop_word_share"]
-FEATURE_NAMES = INTERPLAY + STYLE + FORM
+TEXT_FEATURES = INTERPLAY + STYLE + FORM
+TOPIC = ["topic_cosine", "topic_cosine_to_floor"]
+FEATURE_NAMES = TEXT_FEATURES + TOPIC
+TOPIC_FLOOR_QUANTILE = 0.1  # of the train replies' cosines: the cut feature is flat above it for 90% of them
 
 # Frequent English word pairs, mostly of function words: in running text a few in a hundred pairs, in
 # the same words shuffled or drawn at random almost none.
@@ -111,8 +120,53 @@ def form(premise: str, reply: str) -> list[float]:
 
 
 def features(premise: str, reply: str) -> list[float]:
-    """One reply's feature vector (FEATURE_NAMES' order) against the post it answers."""
+    """One reply's text features (TEXT_FEATURES' order) against the post it answers."""
     return interplay(premise, reply) + style(reply) + form(premise, reply)
+
+
+class Topic:
+    """The topic features of a reply to a post: [cosine, min(cosine, floor)] of their tf-idf vectors.
+    tf-idf: content words (not scikit-learn's English stop words, not numbers), 1 + log of the count,
+    smoothed idf ln((1 + n) / (1 + df)) + 1 over the fitting texts, words in at least two of them."""
+
+    def __init__(self, idf: dict[str, float], floor: float):
+        self.idf, self.floor = idf, float(floor)
+
+    @classmethod
+    def fit(cls, posts: list[str], replies: list[str]) -> "Topic":
+        """idf from the distinct posts and the replies; floor: TOPIC_FLOOR_QUANTILE of the replies' cosines
+        with their posts (`posts[i]` is `replies[i]`'s post)."""
+        texts = list(dict.fromkeys(posts)) + list(replies)
+        df = Counter(w for text in texts for w in set(_content(text)))
+        idf = {w: math.log((1 + len(texts)) / (1 + n)) + 1 for w, n in df.items() if n >= 2}
+        topic = cls(idf, 0.0)
+        cosines = sorted(topic.cosine(p, r) for p, r in zip(posts, replies))
+        topic.floor = cosines[int(TOPIC_FLOOR_QUANTILE * (len(cosines) - 1))] if cosines else 0.0
+        return topic
+
+    def vector(self, text: str) -> dict[str, float]:
+        v = {w: (1 + math.log(n)) * self.idf[w] for w, n in Counter(_content(text)).items() if w in self.idf}
+        norm = math.sqrt(sum(x * x for x in v.values()))
+        return {w: x / norm for w, x in v.items()} if norm else {}
+
+    def cosine(self, premise: str, reply: str) -> float:
+        a, b = self.vector(premise), self.vector(reply)
+        return sum(x * b[w] for w, x in a.items() if w in b)
+
+    def __call__(self, premise: str, reply: str) -> list[float]:
+        c = self.cosine(premise, reply)
+        return [c, min(c, self.floor)]
+
+    def to_json(self) -> dict:
+        return {"idf": self.idf, "floor": self.floor}
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "Topic":
+        return cls(saved["idf"], saved["floor"])
+
+
+def _content(text: str) -> list[str]:
+    return [w for w in words(text) if w not in ENGLISH_STOP_WORDS and not w[0].isdigit()]
 
 
 def premise_text(prompt: list[dict]) -> str:

@@ -14,7 +14,7 @@ from conftest import error_line, run_dir_of, run_stage
 from common.data import load_split
 from common.ensemble import EnsembleScorer, combine, z_stats
 from common.feature_judge import FeatureScorer
-from common.features import FEATURE_NAMES, features
+from common.features import FEATURE_NAMES, TEXT_FEATURES, Topic, features
 from common.runs import RunError
 from common.scorers import load_scorer
 
@@ -24,8 +24,8 @@ REPLY = ("> dogs need too much time\n\nPerhaps, but you might find that a dog ge
 
 
 def test_features_on_fixed_text():
-    f = dict(zip(FEATURE_NAMES, features(POST, REPLY)))
-    assert len(f) == len(FEATURE_NAMES) == 26
+    f = dict(zip(TEXT_FEATURES, features(POST, REPLY)))
+    assert len(f) == len(TEXT_FEATURES) == 26
     op = {"cats", "are", "better", "pets", "than", "dogs", "i", "think", "need", "too", "much", "time", "and", "quiet"}
     # Reply word types shared with the post: dogs, need, time, quiet, cats (content) and too, much (stop words).
     assert f["shared_words"] == pytest.approx(math.log1p(7))
@@ -39,7 +39,7 @@ def test_features_on_fixed_text():
     for name, n in counts.items():
         assert f[name] == pytest.approx(math.log1p(n)), name
     # The same reply to a post it shares nothing with: no interplay, the same style.
-    other = dict(zip(FEATURE_NAMES, features("Zebras graze.", REPLY)))
+    other = dict(zip(TEXT_FEATURES, features("Zebras graze.", REPLY)))
     assert other["shared_words"] == other["jaccard_words"] == 0 and other["hedges"] == f["hedges"]
 
 
@@ -52,7 +52,7 @@ def test_form_features_see_each_kind_of_gibberish():
     reply = ("It is not clear that a higher minimum wage helps the workers it is meant for. In the short run some of "
              "them lose hours. There is a lot of evidence on both sides, and I think you have to weigh it. What do "
              "the studies of the same policy in other cities say?")
-    f = lambda text: dict(zip(FEATURE_NAMES, features(post, text)))  # noqa: E731
+    f = lambda text: dict(zip(TEXT_FEATURES, features(post, text)))  # noqa: E731
     real = f(reply)
     assert real["ends_a_sentence"] == 1 and real["repeated_sentences"] == 0 and real["premise_5grams"] == 0
     assert real["common_bigrams"] > 0.1 and real["distinct_2"] > 0.95
@@ -63,6 +63,47 @@ def test_form_features_see_each_kind_of_gibberish():
     assert bad["repeat"]["distinct_2"] < 0.5 and bad["repeat"]["repeated_sentences"] >= 0.5
     assert bad["premise_copy"]["premise_5grams"] == 1
     assert bad["cut"]["ends_a_sentence"] == 0
+
+
+def test_topic_features_on_fixed_text():
+    """tf-idf cosine of content words (idf over the fitting texts, words in two of them), cut at the floor;
+    a reply to another post has nothing in common with this one's; the saved model gives the same numbers."""
+    posts = ["Cats are better pets than dogs.", "Taxes on sugar help public health.", "Cats are better pets than dogs."]
+    replies = ["Dogs are loyal pets, cats are not.", "Sugar taxes hit the poor, and health gains are small.",
+               "Cats sleep all day; dogs want walks."]
+    topic = Topic.fit(posts, replies)
+    # Five distinct texts (the post given twice counts once); words in one of them ("better", "loyal") are out.
+    assert set(topic.idf) == {"cats", "dogs", "pets", "sugar", "taxes", "health"}
+    assert topic.idf["cats"] == pytest.approx(math.log(6 / 4) + 1)  # in 3 of the 5 texts
+    assert topic.cosine(posts[0], posts[0]) == pytest.approx(1.0)
+    assert topic.cosine(posts[0], replies[1]) == 0.0 and topic.cosine(posts[0], "") == 0.0
+    cosines = sorted(topic.cosine(p, r) for p, r in zip(posts, replies))
+    assert topic.floor == cosines[0]  # the 10% quantile of three: the lowest
+    cos, cut = topic(posts[0], replies[0])
+    assert cos == pytest.approx(topic.cosine(posts[0], replies[0])) and cut == min(cos, topic.floor)
+    again = Topic.from_json(json.loads(json.dumps(topic.to_json())))
+    assert again(posts[1], replies[1]) == topic(posts[1], replies[1])
+
+
+def test_other_post_pairs_teach_the_topic_features():
+    """Replies on the post's topic win and lose alike, so the pairs alone leave the topic features near 0;
+    with (real reply over a reply to another post) pairs the judge ranks each real reply above the other post's."""
+    from common.corruptions import corruption_pairs
+    rng = np.random.default_rng(0)
+    filler = "the a it is that because however people think evidence reason claim view".split()
+    topics = [rng.choice(list("bcdfghjklmnprstvwz"), size=(6, 7)) for _ in range(40)]
+    rows = []
+    for i, t in enumerate(topics):
+        names = ["".join(w) for w in t]
+        text = lambda k: " ".join(rng.choice(filler, 20)) + " " + " ".join(rng.choice(names, k))  # noqa: E731
+        rows.append({"id": str(i), "group_id": str(i), "prompt": [{"role": "user", "content": " ".join(names * 2)}],
+                     "chosen": "> " + text(3) + ".", "rejected": text(3) + "."})
+    bad, _ = corruption_pairs(rows, ["other_post"], seed=0, share=1.0)
+    plain, taught = FeatureScorer.fit(rows), FeatureScorer.fit(rows + bad)
+    assert taught.coefficients()["topic_cosine_to_floor"] > abs(plain.coefficients()["topic_cosine_to_floor"])
+    real = taught.score([r["prompt"] for r in bad], [r["chosen"] for r in bad])
+    other = taught.score([r["prompt"] for r in bad], [r["rejected"] for r in bad])
+    assert np.mean(np.array(real) > np.array(other)) >= 0.95
 
 
 def test_feature_scorer_learns_a_planted_cue():
