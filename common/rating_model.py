@@ -239,49 +239,55 @@ def _measure(rater: "RatingModel", rows: list[dict], split: str, train_mean: flo
 
 
 BOW_ALPHAS = (0.3, 1.0, 3.0, 10.0, 30.0)
+# What the bag of words reads: the encoder's text (title, abstract, introduction) or the whole paper.
+BOW_TEXTS = {"introduction": encoder_text, "paper": lambda row: row["paper"]}
 
 
 class BagOfWords:
-    """What the words alone predict: tf-idf unigrams (min_df 2) of each paper's title, abstract and
-    introduction (the encoder's text) -> ridge regression on the train papers' mean rating, one fit per
-    strength of `alphas`. Deterministic: stage 05 refits it from the rating run's train papers."""
+    """What the words alone predict: tf-idf unigrams (min_df 2) of each paper's `text` (BOW_TEXTS) -> ridge
+    regression on the train papers' mean rating, one fit per strength of `alphas`. Deterministic: stage 05
+    refits it from the rating run's train papers."""
 
-    def __init__(self, train_rows: list[dict], alphas=BOW_ALPHAS):
+    def __init__(self, train_rows: list[dict], text: str = "introduction", alphas=BOW_ALPHAS):
         from sklearn.linear_model import Ridge
 
         from common.audit import word_tfidf
+        self.text, self.read = text, BOW_TEXTS[text]
         self.vectorizer = word_tfidf()
-        x = self.vectorizer.fit_transform([encoder_text(r) for r in train_rows])
+        x = self.vectorizer.fit_transform([self.read(r) for r in train_rows])
         y = np.array([gold(r) for r in train_rows])
         self.vocabulary, self.train_mean = x.shape[1], float(y.mean())
         self.models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in alphas}
 
     def predict(self, rows: list[dict], alpha: float) -> list[float]:
-        return self.models[alpha].predict(self.vectorizer.transform([encoder_text(r) for r in rows])).tolist()
+        return self.models[alpha].predict(self.vectorizer.transform([self.read(r) for r in rows])).tolist()
 
     @classmethod
     def of_run(cls, run_dir: str | Path) -> tuple["BagOfWords", float] | None:
         """A rating run's bag of words, refitted on its train papers, and the strength it chose on dev; None for
-        a run from before it had one."""
+        a run from before it had one (a run from before the text was chosen read the introduction)."""
         from common.config import load_run_config
         chosen = read_json(Path(run_dir) / "metrics.json").get("baselines", {}).get("bag_of_words")
         if not chosen:
             return None
         config = load_run_config(run_dir)
-        alpha = chosen["alpha"]
-        return cls(papers(config.pairs_run, config.train_split, config.max_train_examples), (alpha,)), alpha
+        alpha, text = chosen["alpha"], chosen.get("text", "introduction")
+        return cls(papers(config.pairs_run, config.train_split, config.max_train_examples), text, (alpha,)), alpha
 
 
 def bag_of_words(train_rows: list[dict], splits: dict[str, list[dict]], choose_on: str, seed: int) -> dict:
-    """BagOfWords on the train papers, its strength chosen among BOW_ALPHAS by MAE on `choose_on` (dev);
-    each split's metrics as a rating source's, against the train mean."""
+    """BagOfWords on the train papers, its text (BOW_TEXTS) and strength (BOW_ALPHAS) chosen by MAE on
+    `choose_on` (dev); each split's metrics as a rating source's, against the train mean."""
     from common.metrics import rating_source_metrics
-    bow = BagOfWords(train_rows)
+    fitted = {text: BagOfWords(train_rows, text) for text in BOW_TEXTS}
     golds = {split: [gold(r) for r in rows] for split, rows in splits.items() if rows}
-    mae = lambda a: np.abs(np.array(bow.predict(splits[choose_on], a)) - golds[choose_on]).mean()  # noqa: E731
-    alpha = min(BOW_ALPHAS, key=mae) if choose_on in golds else BOW_ALPHAS[0]
-    return {"model": f"tf-idf unigrams (min_df 2) of title, abstract and introduction + ridge regression, alpha "
-                     f"chosen on {choose_on} by MAE", "alpha": alpha, "vocabulary": bow.vocabulary,
+    mae = lambda choice: np.abs(np.array(fitted[choice[0]].predict(splits[choose_on], choice[1]))  # noqa: E731
+                                - golds[choose_on]).mean()
+    grid = [(text, alpha) for text in BOW_TEXTS for alpha in BOW_ALPHAS]
+    text, alpha = min(grid, key=mae) if choose_on in golds else grid[0]
+    bow = fitted[text]
+    return {"model": f"tf-idf unigrams (min_df 2) + ridge regression, the text ({', '.join(BOW_TEXTS)}) and alpha "
+                     f"chosen on {choose_on} by MAE", "text": text, "alpha": alpha, "vocabulary": bow.vocabulary,
             **{split: rating_source_metrics(bow.predict(splits[split], alpha), golds[split], bow.train_mean, seed)
                for split in golds}}
 

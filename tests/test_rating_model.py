@@ -128,6 +128,22 @@ def test_the_bag_of_words_baseline_finds_a_rating_that_the_words_decide():
         assert out[split]["mae_minus_constant_ci"][1] < 0  # clearly better than the train mean (4)
 
 
+def test_the_bag_of_words_reads_the_whole_paper_when_dev_says_so():
+    """The verdict is in the method section, past the introduction: only the whole paper's words carry it,
+    and dev picks that text."""
+    from common.rating_model import bag_of_words
+    rng = np.random.default_rng(1)
+    filler = ["model", "data", "method", "results", "training", "task", "loss", "baseline", "study", "network"]
+
+    def paper(i):
+        good, words = i % 2 == 0, " ".join(rng.choice(filler, 30))
+        return {"paper": f"# Paper {i}\n\n## Abstract\n{words}\n\n## 1 Introduction\n{words}\n\n## 2 Method\n"
+                         f"The proof is {'sound' if good else 'wrong'}.", "human_ratings": [6, 5] if good else [2, 3]}
+    rows = [paper(i) for i in range(60)]
+    out = bag_of_words(rows[:40], {"dev": rows[40:50], "test": rows[50:]}, "dev", seed=0)
+    assert out["text"] == "paper" and out["test"]["rating_spearman"] > 0.8
+
+
 # --- the sources ------------------------------------------------------------------------------------
 
 def test_source_metrics_on_fixed_predictions():
@@ -212,7 +228,7 @@ def test_stage_05_reports_every_rating_source(runs):
     from common.rating_model import BagOfWords, papers
     bow, alpha = BagOfWords.of_run(rating)
     stage03 = json.loads((rating / "metrics.json").read_text())["baselines"]["bag_of_words"]
-    assert alpha == stage03["alpha"]
+    assert alpha == stage03["alpha"] and bow.text == stage03["text"]
     assert rating_source_metrics(bow.predict(papers(pairs, "dev", 4), alpha), [np.mean(r["human_ratings"]) for r in
                                  papers(pairs, "dev", 4)], bow.train_mean, 42)["rating_mae"] == \
         pytest.approx(stage03["dev"]["rating_mae"])
