@@ -14,7 +14,7 @@ from common.metrics import judge_metrics, text_metrics
 from common.model import resolve_model_path
 from common.scorers import load_scorer
 from common.verdict import fluency_figures, model_family
-from common.watch import reply_shape
+from common.watch import off_topic_shares, reply_shape
 
 
 @dataclass
@@ -63,11 +63,13 @@ def fluency_scores(config, run, prompts, replies: dict, candidates, human: list[
 
 def shared_metrics(task, premises: list[dict], replies: dict, speed: dict, log_probs: dict | None) -> dict:
     """Every model's metrics that do not depend on the task or a judge: BLEU/ROUGE against the real replies,
-    generation speed, reply words, the replies' shape (loops, copying, variety, refusals), fluency."""
+    generation speed, reply words, the replies' shape (loops, copying, variety, refusals, off-topic), fluency."""
     references = [task.references(r) for r in premises]
     shown = [task.display(p) for p in premises]
+    off_topic = off_topic_shares(shown, references, replies)
     results = {name: {"n": len(texts), **text_metrics(texts, references), "generation": speed[name],
-                      "reply_words_mean": sum(map(n_words, texts)) / max(1, len(texts)), **reply_shape(shown, texts)}
+                      "reply_words_mean": sum(map(n_words, texts)) / max(1, len(texts)), **reply_shape(shown, texts),
+                      "off_topic_share": off_topic[name]}
                for name, texts in replies.items()}
     for name, figures in (fluency_figures(log_probs) if log_probs else {}).items():
         results[name].update(figures)

@@ -85,6 +85,17 @@ def reply_shape(premises: list[str], replies: list[str]) -> dict:
             "refusal_share": sum(map(refused, replies)) / n}
 
 
+def off_topic_shares(premises: list[str], references: list[list[str]], replies: dict[str, list[str]]) -> dict:
+    """Each model's share of replies less related to their premise than nine real replies in ten are: the tf-idf
+    cosine of reply and premise (common.features.Topic, fitted on these premises and their real replies) under
+    its floor, the 10% quantile of the real replies' own. The real replies' share is about 0.10 by construction;
+    a reply written for another premise, or to no premise, falls under it."""
+    from common.features import Topic
+    topic = Topic.fit([p for p, refs in zip(premises, references) for _ in refs], [r for refs in references for r in refs])
+    return {name: sum(topic.cosine(p, r) < topic.floor for p, r in zip(premises, texts)) / max(1, len(texts))
+            for name, texts in replies.items()}
+
+
 def hacking_stats(premises: list[str], replies: list[str]) -> dict:
     """What the watch logs for one batch of completions."""
     return {"reply_words": float(np.mean([n_words(r) for r in replies])) if replies else 0.0,

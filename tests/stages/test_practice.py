@@ -27,6 +27,20 @@ def test_keep_best_keeps_the_argmax_of_each_premise():
     assert seen == [(["p1"] * 3 + ["p2"] * 3, list("abcdef"))]  # one call, each candidate with its own premise
 
 
+def test_off_topic_share_counts_replies_to_other_premises():
+    """Ten premises, each with a real reply on its topic: a model that answers each premise with the reply to
+    the next one is off topic in every reply; one that gives the real replies back is at the real replies'
+    own share (the 10% floor: the lowest of ten, which no reply is under)."""
+    from common.watch import off_topic_shares
+    topics = ["cats pets fur", "taxes sugar health", "trains rail tickets", "school homework exams",
+              "rent housing landlords", "coffee caffeine sleep", "voting elections ballots", "meat vegans farms",
+              "phones screens children", "guns crime laws"]
+    premises = [f"I think {t} matter a lot, change my view on {t.split()[0]}." for t in topics]
+    real = [f"About {t.split()[0]}: consider the {t.split()[1]} and the {t.split()[2]} again." for t in topics]
+    shares = off_topic_shares(premises, [[r] for r in real], {"echo": real, "shifted": real[1:] + real[:1]})
+    assert shares == {"echo": 0.0, "shifted": 1.0}
+
+
 def test_reply_shape_on_hand_made_texts():
     loop = "I have always loved music a lot. " * 3
     assert looped(loop) and not looped("I have always loved music a lot. Music is good to me.")
@@ -102,7 +116,7 @@ def test_eval_takes_policies_from_the_base_and_best_of_n(from_base):
     assert set(results) == {"base", "sft", "grpo_from_base", "dpo_from_base", "best_of_n"}
     for name, r in results.items():
         assert 0 <= r["looped_share"] <= 1 and 0 <= r["premise_copy_share"] <= 1 and 0 <= r["distinct_2"] <= 1
-        assert set(r["by_judge"]) == set(judges)
+        assert 0 <= r["off_topic_share"] <= 1 and set(r["by_judge"]) == set(judges)
     for name in ("grpo_from_base", "dpo_from_base", "best_of_n"):
         assert "win_rate_vs_sft" in results[name]["by_judge"][from_base["held_out"].name]
 
