@@ -30,6 +30,7 @@ import numpy as np
 
 from common import corruptions
 from common.data import n_words, write_json
+from common.features import word_tfidf
 from common.metrics import bootstrap_ci, preference_metrics, wins
 
 log = logging.getLogger("pipeline")
@@ -69,14 +70,6 @@ def _fit_pairwise(x_chosen, x_rejected, C: float = 1.0):
 
 def _pairwise_accuracy(model, x_chosen, x_rejected) -> float:
     return float(wins(np.ravel(model.decision_function(x_chosen)), np.ravel(model.decision_function(x_rejected))).mean())
-
-
-def word_tfidf():
-    """The bag of words of every baseline (a judge's here, the rating model's in common/rating_model.py):
-    tf-idf of lower-cased unigrams seen in at least two training texts, sublinear counts."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    return TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
-                           token_pattern=r"(?u)\b\w[\w']*\b")
 
 
 def baselines(train: list[dict], evals: dict[str, list[dict]], top_k: int = 12) -> dict:

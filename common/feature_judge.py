@@ -33,8 +33,8 @@ def feature_fingerprint() -> dict:
 
 def feature_matrix(prompts: list[list[dict]], replies: list[str], topic: Topic) -> np.ndarray:
     premises = [premise_text(p) for p in prompts]
-    return np.array([features(p, r) + topic(p, r) for p, r in zip(premises, replies)], dtype=float).reshape(
-        len(replies), len(FEATURE_NAMES))
+    text = np.array([features(p, r) for p, r in zip(premises, replies)], dtype=float).reshape(len(replies), -1)
+    return np.hstack([text, topic.features(premises, replies)]).reshape(len(replies), len(FEATURE_NAMES))
 
 
 class FeatureScorer:

@@ -12,8 +12,9 @@ ones ("of the", "it is": shuffled words and word salad break them), distinct wor
 repeated sentences, whether the reply ends a sentence (a cut reply does not), the share of its 5-grams
 found in the post (a copy of it) and the share of stop words.
 `features(premise, reply)` gives those in the order of TEXT_FEATURES.
-Topic (fitted, `Topic`): the cosine of the reply's and the post's tf-idf vectors (content words, idf from
-the train posts and replies), and that cosine cut at `floor`, a low quantile of the train replies' own.
+Topic (fitted, `Topic`): the cosine of the reply's and the post's tf-idf vectors (`word_tfidf` without
+stop words, fitted on the train posts and replies), and that cosine cut at `floor`, a low quantile of
+the train replies' own.
 Winners share fewer words with the post than losers do (Tan et al. found the same), so a judge fitted on
 the pairs alone rewards an unrelated reply; the cut feature is constant over most real replies and tells
 the judge, from the `other_post` corruption pairs, what too little in common costs.
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 
+import numpy as np
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
 # Bumped whenever what a feature measures changes: a saved feature judge records it and is refused
@@ -124,49 +125,60 @@ def features(premise: str, reply: str) -> list[float]:
     return interplay(premise, reply) + style(reply) + form(premise, reply)
 
 
-class Topic:
-    """The topic features of a reply to a post: [cosine, min(cosine, floor)] of their tf-idf vectors.
-    tf-idf: content words (not scikit-learn's English stop words, not numbers), 1 + log of the count,
-    smoothed idf ln((1 + n) / (1 + df)) + 1 over the fitting texts, words in at least two of them."""
+def word_tfidf(stop_words: str | None = None, vocabulary: dict | None = None):
+    """The project's tf-idf of words (every bag-of-words baseline, and the topic features): lower-cased
+    words seen in at least two fitting texts, 1 + log of the count, smoothed idf, unit length."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    return TfidfVectorizer(lowercase=True, min_df=2, max_features=20000, sublinear_tf=True,
+                           token_pattern=r"(?u)\b\w[\w']*\b", stop_words=stop_words, vocabulary=vocabulary)
 
-    def __init__(self, idf: dict[str, float], floor: float):
-        self.idf, self.floor = idf, float(floor)
+
+class Topic:
+    """The topic features of replies to posts: [cosine, min(cosine, floor)] of their tf-idf vectors
+    (word_tfidf without scikit-learn's English stop words, fitted on the posts and replies given to `fit`)."""
+
+    def __init__(self, vectorizer, floor: float):
+        self.vectorizer, self.floor = vectorizer, float(floor)  # vectorizer None: no word in two texts
 
     @classmethod
     def fit(cls, posts: list[str], replies: list[str]) -> "Topic":
         """idf from the distinct posts and the replies; floor: TOPIC_FLOOR_QUANTILE of the replies' cosines
         with their posts (`posts[i]` is `replies[i]`'s post)."""
-        texts = list(dict.fromkeys(posts)) + list(replies)
-        df = Counter(w for text in texts for w in set(_content(text)))
-        idf = {w: math.log((1 + len(texts)) / (1 + n)) + 1 for w, n in df.items() if n >= 2}
-        topic = cls(idf, 0.0)
-        cosines = sorted(topic.cosine(p, r) for p, r in zip(posts, replies))
-        topic.floor = cosines[int(TOPIC_FLOOR_QUANTILE * (len(cosines) - 1))] if cosines else 0.0
+        try:
+            vectorizer = word_tfidf("english").fit(list(dict.fromkeys(posts)) + list(replies))
+        except ValueError:  # scikit-learn's "empty vocabulary"
+            vectorizer = None
+        topic = cls(vectorizer, 0.0)
+        cosines = np.sort(topic.cosines(posts, replies))
+        topic.floor = float(cosines[int(TOPIC_FLOOR_QUANTILE * (len(cosines) - 1))]) if len(cosines) else 0.0
         return topic
 
-    def vector(self, text: str) -> dict[str, float]:
-        v = {w: (1 + math.log(n)) * self.idf[w] for w, n in Counter(_content(text)).items() if w in self.idf}
-        norm = math.sqrt(sum(x * x for x in v.values()))
-        return {w: x / norm for w, x in v.items()} if norm else {}
+    def cosines(self, premises: list[str], replies: list[str]) -> np.ndarray:
+        if self.vectorizer is None or not replies:
+            return np.zeros(len(replies))
+        p, r = self.vectorizer.transform(premises), self.vectorizer.transform(replies)
+        return np.asarray(p.multiply(r).sum(axis=1)).ravel()
 
     def cosine(self, premise: str, reply: str) -> float:
-        a, b = self.vector(premise), self.vector(reply)
-        return sum(x * b[w] for w, x in a.items() if w in b)
+        return float(self.cosines([premise], [reply])[0])
 
-    def __call__(self, premise: str, reply: str) -> list[float]:
-        c = self.cosine(premise, reply)
-        return [c, min(c, self.floor)]
+    def features(self, premises: list[str], replies: list[str]) -> np.ndarray:
+        """One row a reply, in TOPIC's order."""
+        c = self.cosines(premises, replies)
+        return np.column_stack([c, np.minimum(c, self.floor)])
 
     def to_json(self) -> dict:
-        return {"idf": self.idf, "floor": self.floor}
+        v = self.vectorizer
+        return {"vocabulary": {w: int(i) for w, i in v.vocabulary_.items()} if v else {},
+                "idf": v.idf_.tolist() if v else [], "floor": self.floor}
 
     @classmethod
     def from_json(cls, saved: dict) -> "Topic":
-        return cls(saved["idf"], saved["floor"])
-
-
-def _content(text: str) -> list[str]:
-    return [w for w in words(text) if w not in ENGLISH_STOP_WORDS and not w[0].isdigit()]
+        vectorizer = None
+        if saved["vocabulary"]:
+            vectorizer = word_tfidf("english", vocabulary=saved["vocabulary"])
+            vectorizer.idf_ = np.asarray(saved["idf"], dtype=float)
+        return cls(vectorizer, saved["floor"])
 
 
 def premise_text(prompt: list[dict]) -> str:

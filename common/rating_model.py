@@ -251,7 +251,7 @@ class BagOfWords:
     def __init__(self, train_rows: list[dict], text: str = "introduction", alphas=BOW_ALPHAS):
         from sklearn.linear_model import Ridge
 
-        from common.audit import word_tfidf
+        from common.features import word_tfidf
         self.text, self.read = text, BOW_TEXTS[text]
         self.vectorizer = word_tfidf()
         x = self.vectorizer.fit_transform([self.read(r) for r in train_rows])

@@ -73,16 +73,18 @@ def test_topic_features_on_fixed_text():
                "Cats sleep all day; dogs want walks."]
     topic = Topic.fit(posts, replies)
     # Five distinct texts (the post given twice counts once); words in one of them ("better", "loyal") are out.
-    assert set(topic.idf) == {"cats", "dogs", "pets", "sugar", "taxes", "health"}
-    assert topic.idf["cats"] == pytest.approx(math.log(6 / 4) + 1)  # in 3 of the 5 texts
+    vocabulary = topic.vectorizer.vocabulary_
+    assert set(vocabulary) == {"cats", "dogs", "pets", "sugar", "taxes", "health"}
+    assert topic.vectorizer.idf_[vocabulary["cats"]] == pytest.approx(math.log(6 / 4) + 1)  # in 3 of the 5 texts
     assert topic.cosine(posts[0], posts[0]) == pytest.approx(1.0)
     assert topic.cosine(posts[0], replies[1]) == 0.0 and topic.cosine(posts[0], "") == 0.0
     cosines = sorted(topic.cosine(p, r) for p, r in zip(posts, replies))
     assert topic.floor == cosines[0]  # the 10% quantile of three: the lowest
-    cos, cut = topic(posts[0], replies[0])
+    (cos, cut), = topic.features(posts[:1], replies[:1]).tolist()
     assert cos == pytest.approx(topic.cosine(posts[0], replies[0])) and cut == min(cos, topic.floor)
     again = Topic.from_json(json.loads(json.dumps(topic.to_json())))
-    assert again(posts[1], replies[1]) == topic(posts[1], replies[1])
+    assert again.features(posts, replies).tolist() == topic.features(posts, replies).tolist()
+    assert Topic.fit(["a b"], ["c d"]).features(["a b"], ["c d"]).tolist() == [[0.0, 0.0]]  # no word in two texts
 
 
 def test_other_post_pairs_teach_the_topic_features():
