@@ -92,7 +92,7 @@ def off_topic_shares(premises: list[str], references: list[list[str]], replies: 
     a reply written for another premise, or to no premise, falls under it."""
     from common.features import Topic
     topic = Topic.fit([p for p, refs in zip(premises, references) for _ in refs], [r for refs in references for r in refs])
-    return {name: sum(topic.cosine(p, r) < topic.floor for p, r in zip(premises, texts)) / max(1, len(texts))
+    return {name: float((topic.cosines(premises, texts) < topic.floor).sum()) / max(1, len(texts))
             for name, texts in replies.items()}
 
 
