@@ -8,6 +8,13 @@ RUNS_DIR=${RUNS_DIR:-runs}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 
+# `timeline NAME START STATUS`: one line a finished stage in $LOGS/timeline.tsv (name, start and end in epoch
+# seconds, exit status), so that a chain says where its time went; nothing without LOGS.
+timeline() {
+  [[ -n ${LOGS:-} ]] || return 0
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$(date +%s)" "$3" >> "$LOGS/timeline.tsv"
+}
+
 stage() {
   local out arg runs=(--runs_dir "$RUNS_DIR")
   for arg in "$@"; do  # a caller's own --runs_dir is kept (a field given twice is refused)
@@ -15,7 +22,9 @@ stage() {
   done
   # >(cat >&2), not /dev/stderr: reopening /dev/stderr when it is a file starts writing at the
   # file's beginning, so each stage would overwrite the log of the ones before it
-  out=$("$PY" "$@" "${runs[@]}" | tee >(cat >&2)) || { echo "error: stage $1 failed; the chain stops" >&2; exit 1; }
+  local t0; t0=$(date +%s)
+  out=$("$PY" "$@" "${runs[@]}" | tee >(cat >&2)) || { timeline "$1" "$t0" 1; echo "error: stage $1 failed; the chain stops" >&2; exit 1; }
+  timeline "$1" "$t0" 0
   grep '^run_dir: ' <<<"$out" | tail -1 | cut -d' ' -f2-
 }
 
@@ -45,8 +54,10 @@ background() {
     args[i + 1]=$next
   done
   while (( $(jobs -rp | wc -l) >= ${MAX_JOBS:-1000} )); do wait -n || true; done
-  ( "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 \
-    && grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir" ) &
+  ( local t0 rc=0; t0=$(date +%s)
+    "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 || rc=$?
+    (( rc )) || grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir"
+    timeline "$name" "$t0" "$rc" ) &
   BACKGROUND+=("$name")
 }
 BACKGROUND=() FAILED=() STOPPED=()

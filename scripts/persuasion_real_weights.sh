@@ -144,25 +144,21 @@ policies=("${grpo[@]}")
 for name in grpo_from_base dpo orpo raft; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
 # 3b. The judge's second round (HARD_NEGATIVES=1): the GRPO policy whose reward rose most answers MAX_PREMISES
-#     train premises; its replies become losers against the real winners of those posts in the training judge's
-#     recipe (03 --hard_negatives), beside the eval below; the levers table gets its row. An ensemble trains
-#     on no such pairs (its members do): the step says so and is skipped.
-hardened=""
+#     train premises beside the eval below (the eval is what a chain short of time must not lose); its replies
+#     then become losers against the real winners of those posts in the training judge's recipe (03
+#     --hard_negatives), and the levers table gets its row. An ensemble trains on no such pairs (its members
+#     do): the step says so and is skipped.
+hard=0
 if [[ ${HARD_NEGATIVES:-0} == 1 ]]; then
   backbone=$(sed -n 's/^judge_backbone: *//p' "$judge/config.yaml" 2>/dev/null || true)
   if [[ $backbone == ensemble ]]; then
     echo "hard negatives: the training judge ($judge_name, $backbone) trains on no extra pairs; skipped" >&2
   else
+    hard=1
     # shellcheck disable=SC2086
     background hard_replies 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
       --policy_runs "${grpo[0]}" --split train --evaluate_base false --max_premises "$MAX_PREMISES" $decoding \
       --run_name HardNegative_Replies
-    wait_for_all --allow_failures
-    if [[ -s "$LOGS/hard_replies.dir" ]]; then
-      hardened="$judge_name+hard_negatives"
-      background hard_negatives 03_train_reward.py --config "$judge/config.yaml" --pairs_run "$pairs" \
-        --hard_negatives "$(cat "$LOGS/hard_replies.dir"):grpo" --run_name "Judge_$hardened"
-    fi
   fi
 fi
 
@@ -174,10 +170,16 @@ evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" 
   --judge_runs "${judges[@]}" "${fluency[@]}" "${crossfit[@]}" \
   --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" --max_premises "$MAX_PREMISES" $decoding)
 "$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${recipes[@]}"
-if [[ -n $hardened ]]; then
+if [[ $hard == 1 ]]; then
   wait_for_all --allow_failures
-  [[ -s "$LOGS/hard_negatives.dir" ]] && "$PY" scripts/judges_later_posts.py add_lever "$SUMMARY_DIR" "hard negatives" \
-    "$hardened=$(cat "$LOGS/hard_negatives.dir")" "$judge_name=$judge"
+  if [[ -s "$LOGS/hard_replies.dir" ]]; then
+    hardened="$judge_name+hard_negatives"
+    background hard_negatives 03_train_reward.py --config "$judge/config.yaml" --pairs_run "$pairs" \
+      --hard_negatives "$(cat "$LOGS/hard_replies.dir"):grpo" --run_name "Judge_$hardened"
+    wait_for_all --allow_failures
+    [[ -s "$LOGS/hard_negatives.dir" ]] && "$PY" scripts/judges_later_posts.py add_lever "$SUMMARY_DIR" "hard negatives" \
+      "$hardened=$(cat "$LOGS/hard_negatives.dir")" "$judge_name=$judge"
+  fi
 fi
 
 echo

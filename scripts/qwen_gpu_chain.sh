@@ -16,8 +16,9 @@
 #      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
 # RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
 # whole judge sweep was measured already: BUILTIN=0 CANDIDATES_FILE=configs/qwen-gpu/judges_practice_candidates.txt
-# ENSEMBLE_SIZES= MODELS="qwen15 gemma270 smol" (five candidates, one wave).
-# Writes RUNS_DIR/qwen_gpu_chain.json (times, peak GPU memory, generate tokens/s, perplexities).
+# ENSEMBLE_SIZES= MODELS="qwen15 gemma270 smol" (three candidates, one wave).
+# Writes RUNS_DIR/qwen_gpu_chain.json (times, each stage's seconds from scripts/demo_lib.sh's timeline, peak GPU
+# memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
 export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
@@ -64,9 +65,18 @@ out, evalrun, smol, logs, built, chain, rc, failed = sys.argv[1:]
 def speed(run):  # each model's generate speed, as 05 measured it
     return {m: r["generation"] for m, r in json.load(open(f"{run}/eval.json")).items()
             if isinstance(r, dict) and "generation" in r}
+def timeline(path):  # scripts/demo_lib.sh's: one line a finished stage (name, start, end, status)
+    try:
+        return [line.split("\t") for line in open(path).read().splitlines()]
+    except FileNotFoundError:
+        return []
+rows = {"judges": timeline(f"{logs}/judges/timeline.tsv"), "chain": timeline(f"{logs}/timeline.tsv")}
+t0 = min((int(r[1]) for part in rows.values() for r in part), default=0)
+stages = {part: [{"stage": n, "seconds": int(e) - int(s), "ended_at_s": int(e) - t0, "status": int(rc)}
+                 for n, s, e, rc in part_rows] for part, part_rows in rows.items()}
 peak = max((int(x) for x in open(f"{logs}/gpu_memory.txt").read().split() if x.isdigit()), default=None)
 json.dump({"models_built_s": int(built), "chain_s": int(chain), "chain_rc": int(rc), "failed_stages": failed,
-           "peak_gpu_memory_mib": peak, "eval_run": evalrun,
+           "peak_gpu_memory_mib": peak, "stages": stages, "eval_run": evalrun,
            "generation_speed": {"qwen": speed(evalrun), "smol": speed(smol)},
            "base_reply_fluency_under_gemma": {w: json.load(open(f"{logs}/fluency_{w}.json"))["models"]["base"]
                                               for w in ("qwen", "smol")}}, open(out, "w"), indent=2)

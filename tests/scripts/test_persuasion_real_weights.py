@@ -131,6 +131,13 @@ def test_the_judges_second_round_trains_on_the_practised_policys_replies(tmp_pat
     assert code == 0, out[-3000:]
     runs = tmp_path / "runs"
     assert (runs / "HardNegative_Replies").is_dir() and (runs / "Judge_j+hard_negatives").is_dir(), out[-3000:]
+    # the timeline (one line a finished stage, in the order they finished): the eval does not wait for the
+    # second round, which trains only once the eval is written
+    timeline = [line.split("\t") for line in (runs / "logs" / "timeline.tsv").read_text().splitlines()]
+    names = [row[0] for row in timeline]
+    assert {"sft", "dpo", "orpo", "raft", "hard_replies", "05_eval.py", "hard_negatives"} <= set(names), names
+    assert names.index("05_eval.py") < names.index("hard_negatives") and names[-1] == "hard_negatives"
+    assert all(int(start) <= int(end) and status == "0" for _, start, end, status in timeline)
     shutil.rmtree(runs)
     (runs / "Judge").mkdir(parents=True)
     (runs / "Judge" / "config.yaml").write_text("judge_backbone: ensemble\n")
