@@ -1,6 +1,6 @@
 """A frozen model's replies: stage 05's, and DPO's rejected ones.
 
-Llama-family models decode with the static decoder (common/fast/static_decoder.py), the others and
+Llama-shaped models (Llama, Qwen2) decode with the static decoder (common/fast/static_decoder.py), the others and
 `fast_paths: false` with transformers' generate; `decoder_for` says which, and the stages record it.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
 
 
 def decoder_for(model, static: bool = True) -> str:
-    """"static" (`decode`: Llama-family models, unless `static` is false) or "hf_generate"
+    """"static" (`decode`: Llama-shaped models, unless `static` is false) or "hf_generate"
     (transformers' generate: the other models, and fast_paths false)."""
     return "static" if static and fast.supports_fast_decode(model) else "hf_generate"
 

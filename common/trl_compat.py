@@ -40,6 +40,7 @@ class Private:
 
 
 GRPO, TRAINER, LLAMA = "trl:GRPOTrainer", "transformers:Trainer", "transformers.models.llama.modeling_llama"
+QWEN2 = "transformers.models.qwen2.modeling_qwen2"
 NAMES = [
     # trl
     Private("trl", "trl:RewardTrainer", "_set_signature_columns_if_needed",
@@ -106,6 +107,12 @@ NAMES = [
     Private("transformers", f"{LLAMA}:LlamaAttention", "scaling", "static_decoder._prefill, decode_step: Llama's attention",
             instance=True, source=("__init__", "self.scaling")),
     Private("transformers", f"{LLAMA}:LlamaModel", "rotary_emb", "static_decoder._prefill, decode_step: cos/sin",
+            instance=True, source=("__init__", "self.rotary_emb")),
+    Private("transformers", f"{QWEN2}:Qwen2Attention", "head_dim", "static_decoder._prefill, decode_step: Qwen2's attention",
+            instance=True, source=("__init__", "self.head_dim")),
+    Private("transformers", f"{QWEN2}:Qwen2Attention", "scaling", "static_decoder._prefill, decode_step: Qwen2's attention",
+            instance=True, source=("__init__", "self.scaling")),
+    Private("transformers", f"{QWEN2}:Qwen2Model", "rotary_emb", "static_decoder._prefill, decode_step: cos/sin",
             instance=True, source=("__init__", "self.rotary_emb")),
     Private("transformers", "transformers.activations", "ACT2FN", "decode_step.DecodeStep: Llama's MLP activation"),
     Private("transformers", "transformers.modeling_layers:GradientCheckpointingLayer", "gradient_checkpointing",

@@ -1,4 +1,4 @@
-"""One decode step of a Llama decoder with LoRA in few kernels: what `static_decoder.decode` replays.
+"""One decode step of a Llama-shaped decoder (Llama, Qwen2) with LoRA in few kernels: what `static_decoder.decode` replays.
 
 A decode step (one new token for each of B sequences) through the model's modules launches about
 70 kernels a layer: peft runs each LoRA linear as five, a 4-bit weight adds three to dequantise,
@@ -90,11 +90,13 @@ class _Group:
 
     def __init__(self, model, names, modules, weights, dtype, scratch):
         bases = [getattr(m, "base_layer", m) for m in modules]
-        if any(b.bias is not None for b in bases):
-            raise NotImplementedError("decode: linear layers with a bias are not supported by the fused step")
         self.sizes = [b.out_features for b in bases]
         self.in_features = bases[0].in_features
         rows = sum(self.sizes)
+        self.bias = None  # Qwen2's q/k/v carry one (frozen, unquantised): stacked once, added after the matmul
+        if any(b.bias is not None for b in bases):
+            self.bias = torch.cat([b.bias if b.bias is not None else b.weight.new_zeros(b.out_features, dtype=dtype)
+                                   for b in bases]).to(dtype)
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
         if self.nf4:  # dequantised into `scratch` at each step, by the kernel chosen once here
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
@@ -153,6 +155,8 @@ class _Group:
                     _dequantize_into(self.weight[o0:o0 + size], linear, absmax, self.dequantizer)
                     o0 += size
             y = F.linear(x, self.weight) if residual is None else torch.addmm(residual, x, self.weight.t())
+        if self.bias is not None:
+            y = y + self.bias
         if self.lora_a is not None:
             y = torch.addmm(y, F.linear(x, self.lora_a), self.lora_b.t())
         return y

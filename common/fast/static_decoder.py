@@ -1,4 +1,4 @@
-"""The static decoder: batched generation for Llama-family models in few kernels a token.
+"""The static decoder: batched generation for Llama-shaped models (Llama, Qwen2) in few kernels a token.
 
 `decode` runs the decoder layers itself over a preallocated KV cache, so that on a GPU each new
 token is one CUDA graph replay. HF `generate` on a 4-bit model with LoRA is bound by Python
@@ -26,9 +26,15 @@ log = logging.getLogger(__name__)
 GRAPH_FAILURES: list[str] = []  # why a capture fell back to eager steps (manifests' decoder_fallbacks)
 
 
+# Decoders whose layers are Llama's: RMSNorm, rotary GQA attention over every position, a gated MLP. Qwen2
+# adds biases to q/k/v, which the fused step adds after its matmul; a sliding window it does not model.
+FAST_DECODE_MODELS = ("llama", "qwen2")
+
+
 def supports_fast_decode(model) -> bool:
     lm = unwrap_peft(model)
-    return getattr(lm.config, "model_type", None) == "llama" and hasattr(lm, "lm_head")
+    return (getattr(lm.config, "model_type", None) in FAST_DECODE_MODELS and hasattr(lm, "lm_head")
+            and not getattr(lm.config, "use_sliding_window", False))
 
 
 def weights_backend(model, weights: str) -> str:

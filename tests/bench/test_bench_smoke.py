@@ -33,6 +33,40 @@ def lora_tiny(tiny_model):
     return model.eval(), AutoTokenizer.from_pretrained(tiny_model)
 
 
+@pytest.fixture(scope="module")
+def lora_tiny_qwen2(tiny_model):
+    """A tiny Qwen2 (the tiny Llama's sizes and tokenizer, q/k/v with biases, tied embeddings) in fp32 with a
+    LoRA adapter; its biases drawn large enough that a step which dropped them would change the tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=5, pad_token_id=2,
+                         initializer_range=0.3)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    random_lora(model, 0)
+    return model.eval(), AutoTokenizer.from_pretrained(tiny_model)
+
+
+def test_the_static_decoder_takes_llama_shaped_models_only(lora_tiny, lora_tiny_qwen2):
+    """Qwen2 is Llama's layer with q/k/v biases; one with a sliding window is left to HF generate."""
+    from common.fast.static_decoder import supports_fast_decode
+    model = lora_tiny_qwen2[0]
+    assert supports_fast_decode(lora_tiny[0]) and supports_fast_decode(model)
+    model.config.use_sliding_window = True
+    try:
+        assert not supports_fast_decode(model)
+    finally:
+        model.config.use_sliding_window = False
+
+
 def _left_padded(prompts, pad):
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad)
@@ -43,11 +77,12 @@ def _left_padded(prompts, pad):
     return ids, mask
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("penalty,prefill_tokens", [(1.0, 40), (1.3, 40), (1.0, 4096)])
-def test_static_decode_equals_hf_generate_greedy(lora_tiny, penalty, prefill_tokens):
+def test_static_decode_equals_hf_generate_greedy(request, family, penalty, prefill_tokens):
     from common.fast.static_decoder import decode
     from common.model import eos_ids
-    model, tok = lora_tiny
+    model, tok = request.getfixturevalue({"llama": "lora_tiny", "qwen2": "lora_tiny_qwen2"}[family])
     # repeated prompts (GRPO's replies to one premise) are prefilled once and copied to their rows
     prompts = [[0, 3, 442, 271, 4] + list(range(10, 10 + n)) for n in (3, 17, 3, 9, 30, 17)]
     eos = eos_ids(model, tok)
