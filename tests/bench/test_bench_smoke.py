@@ -356,3 +356,14 @@ def test_ddp_bench_grpo_runs_in_two_processes(tiny_model, tmp_path):
     assert result["processes"] == 2 and result["gradient_accumulation_steps"] == 2  # the recipe's 4, halved
     assert result["completions_per_step"] == 64 and result["global_step"] == 2
     assert "group_in_one_sequence" in result["patches"] and result["seconds_per_step"] > 0
+
+
+def test_generate_speed_times_both_decoders_on_the_same_posts(tiny_model, tmp_path):
+    """bench/generate_speed.py: a row for each decoder on the same CMV posts, and their greedy replies agree."""
+    import generate_speed
+    generate_speed.main(SimpleNamespace(models=[str(tiny_model)], out=str(tmp_path), prompts=3, batch_size=3,
+                                        max_new_tokens=6, premise_words=40, repetition_penalty=1.2))
+    row = json.loads((tmp_path / "generate_speed.json").read_text())["models"][tiny_model.name]
+    assert row["static"]["new_tokens"] == row["hf_generate"]["new_tokens"] > 0
+    assert row["agreement"] == {"equal_share": 1.0, "mean_matching_prefix": 1.0}
+    assert set(row["sample"]) == {"static", "hf_generate"}
