@@ -133,10 +133,7 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
     fused_step = DecodeStep(model, weights)
     bias = torch.full((B, 1, 1, L), float("-inf"), dtype=dtype, device=device)  # 0 where a slot may be attended
     bias[:, 0, 0, :P].masked_fill_(key_ok, 0.0)
-    seen = None
-    if repetition_penalty != 1.0:
-        seen = torch.zeros(B, logits.shape[1], dtype=torch.bool, device=device)
-        seen.scatter_(1, ids, key_ok)
+    seen = prompt_tokens_seen(ids, key_ok, logits.shape[1]) if repetition_penalty != 1.0 else None
     eos_t = torch.tensor(eos, device=device)
     out = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     tok = _pick(logits, temperature, repetition_penalty, seen)
@@ -173,6 +170,16 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
         cut = next((j for j, t in enumerate(row) if t in eos), None)
         result.append(row if cut is None else row[:cut + 1])
     return result
+
+
+def prompt_tokens_seen(ids, key_ok, vocab: int):
+    """(B, vocab) bools: which tokens the repetition penalty counts as seen, those at the prompt's real
+    positions (`key_ok`), padding not. Scattering `key_ok` itself would write True and False to one token where
+    the pad id also sits in the prompt (SmolLM2 pads with its end of turn), and a GPU's scatter keeps either
+    write: the end of turn then went unpenalised in padded rows, and their replies ended early. Counts add
+    up in any order."""
+    counts = torch.zeros(ids.shape[0], vocab, dtype=torch.int32, device=ids.device)
+    return counts.scatter_add_(1, ids, key_ok.to(torch.int32)) > 0
 
 
 def _pick(logits, temperature, repetition_penalty, seen):

@@ -96,6 +96,23 @@ def test_static_decode_equals_hf_generate_greedy(request, family, penalty, prefi
         assert mine == theirs[:len(mine)]
 
 
+def test_the_repetition_penalty_counts_a_prompt_token_that_is_also_the_pad_id():
+    """Where the pad id also sits in the prompt (SmolLM2 pads with its end of turn), the token counts as seen
+    whatever order the writes of its real and its pad positions land in (a GPU's scatter keeps either)."""
+    from common.fast.static_decoder import prompt_tokens_seen
+    pad = 2
+    ids = torch.tensor([[pad, pad, 7, pad, 9], [4, pad, 7, 8, 9]])
+    key_ok = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
+    seen = prompt_tokens_seen(ids, key_ok, 12)
+    assert seen[0].nonzero().flatten().tolist() == [pad, 7, 9]
+    assert seen[1].nonzero().flatten().tolist() == [pad, 4, 7, 8, 9]
+    # a pad written after the real occurrence (the order a GPU may take): still seen
+    late = prompt_tokens_seen(torch.tensor([[7, pad, 9, pad]]), torch.tensor([[True, True, True, False]]), 12)
+    assert late[0].nonzero().flatten().tolist() == [pad, 7, 9]
+    unseen = prompt_tokens_seen(torch.tensor([[7, 9, pad]]), torch.tensor([[True, True, False]]), 12)
+    assert unseen[0].nonzero().flatten().tolist() == [7, 9]  # a pad id only in the padding: not seen
+
+
 def test_sampled_decode_stops_at_end_token(lora_tiny):
     from common.fast.static_decoder import decode
     model, tok = lora_tiny

@@ -8,6 +8,7 @@ Llama 3 8B shapes are the `gpu` tests. The reference is bitsandbytes' own dequan
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +329,13 @@ def test_prmt_is_refused_off_a_gpu_and_for_another_code(nm):
     else:
         with pytest.raises(ValueError, match="this code differs"):
             nm.nf4_matmul(x, packed, absmax, qs.code.flip(0).contiguous(), 64, 256, launch=nm.Config(lut="prmt"))
+
+
+def test_the_h200_table_in_the_recipes_covers_every_8b_projection():
+    """configs/llama3-8b/nf4_matmul_h200.json, bench/nf4_sweep.py's table from the H200: it reads, and names a
+    path (nf4_matmul or dequantise) for each of the 8B's projection shapes at each decode batch it measured."""
+    from common.fast.nf4_dispatch import read_table
+    table = read_table(Path(__file__).resolve().parents[2] / "configs/llama3-8b/nf4_matmul_h200.json")
+    assert table.device == "NVIDIA H200"
+    for shape in [(1024, 4096), (4096, 4096), (4096, 14336), (14336, 4096)]:
+        assert [m for m, _ in table.shapes[shape]] == [16, 32, 64], shape
