@@ -383,7 +383,7 @@ def test_generate_speed_times_both_decoders_on_the_same_posts(tiny_model, tmp_pa
     generate_speed.main(SimpleNamespace(models=[str(tiny_model)], out=str(tmp_path), prompts=3, batch_size=3,
                                         max_new_tokens=6, premise_words=40, repetition_penalty=1.2))
     row = json.loads((tmp_path / "generate_speed.json").read_text())["models"][tiny_model.name]
-    assert row["static"]["new_tokens"] == row["hf_generate"]["new_tokens"] > 0
+    assert row["static"]["new_tokens"] > 0 and row["hf_generate"]["new_tokens"] > 0
     agree = row["agreement"]
     assert 0 < agree["equal_share"] <= agree["mean_matching_prefix"] <= 1, agree
     assert set(row["sample"]) == {"static", "hf_generate"}
