@@ -1,7 +1,7 @@
 """The CMV chain 01 -> 02 -> 03 -> 04 GRPO -> 05 on a tiny random Qwen2 (configs/tiny with
 --model_name_or_path, the stages' own command lines): the code path of configs/qwen-gpu/ in CI. Qwen2's
 q/k/v biases and tied embeddings, a ChatML template with a default system turn, a system prompt of our
-own in the pairs; the static decoder does not take a Qwen2, and the runs say so."""
+own in the pairs; GRPO's rollouts and the eval's replies come from the static decoder, and the runs say so."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,8 @@ def test_the_cmv_chain_runs_on_a_qwen2_model(tmp_path):
     for run in (sft, judge, grpo):
         assert yaml.safe_load((run / "config.yaml").read_text())["model_name_or_path"] == qwen
     grpo_backends = json.loads((grpo / "manifest.json").read_text())["backends"]
-    assert grpo_backends["decoder"] == "trl_generate"  # the static decoder is Llama's: recorded fallback
+    assert grpo_backends["decoder"] == "static"  # a Qwen2 is Llama-shaped: its rollouts take the static decoder
+    assert json.loads((evaluation / "manifest.json").read_text())["backends"]["decoder"] == "static"
     assert grpo_backends["judge_scoring"] == "packed" and "group_in_one_sequence" in grpo_backends["patches"]
     results = json.loads((evaluation / "eval.json").read_text())
     models = results.get("models", results)
