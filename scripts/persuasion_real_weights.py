@@ -1,10 +1,14 @@
 """The steps of scripts/persuasion_real_weights.sh that are not stages.
 
+    python scripts/persuasion_real_weights.py framing OUT_DIR NAME=EVAL_RUN ...    # prints the chosen pairs run
     python scripts/persuasion_real_weights.py decoding OUT_DIR NAME=EVAL_RUN ...   # prints the chosen decoding
     python scripts/persuasion_real_weights.py rising NAME=GRPO_RUN ...             # GRPO runs, most risen first
     python scripts/persuasion_real_weights.py summary EVAL_RUN OUT_DIR NAME=GRPO_RUN ...
 
-`decoding` reads stage-05 runs on the dev premises, one per decoding (base and SFT, the training judge),
+`framing` reads stage-05 runs of the base model on the dev premises, one per prompt framing (each on its own
+pairs run, scored by a judge trained on it), writes OUT_DIR/persuasion_framing_sweep.json and prints the chosen
+framing's pairs run. The rule: the framings whose base replies are refused least (within 0.02 of the lowest
+refusal share), and among them the highest judge reward. `decoding` reads stage-05 runs on the dev premises, one per decoding (base and SFT, the training judge),
 writes OUT_DIR/persuasion_decoding_sweep.json and prints the chosen decoding's arguments. The rule: the
 decodings whose replies loop least (the lowest looped share of base and SFT, within 0.02 of the best),
 and among them the highest training-judge reward averaged over base and SFT. `rising` orders GRPO runs
@@ -35,6 +39,20 @@ DECODING = ("temperature", "repetition_penalty", "no_repeat_ngram_size")
 
 def _named(items: list[str]) -> dict[str, Path]:
     return {name: Path(run) for name, _, run in (item.partition("=") for item in items)}
+
+
+def framing(out_dir: Path, items: list[str]) -> str:
+    rows = {}
+    for name, run in _named(items).items():
+        base, manifest = read_json(run / "eval.json")["base"], read_json(run / "manifest.json")
+        rows[name] = {"run": run.name, "pairs_run": manifest["pairs_run"], "refusal_share": base["refusal_share"],
+                      "reward_mean": base["reward_mean"], "reply_words_mean": base["reply_words_mean"],
+                      "looped_share": base["looped_share"], "premise_copy_share": base["premise_copy_share"]}
+    calm = [n for n in rows if rows[n]["refusal_share"] <= min(r["refusal_share"] for r in rows.values()) + 0.02]
+    chosen = max(calm, key=lambda n: rows[n]["reward_mean"])
+    write_json(Path(out_dir) / "persuasion_framing_sweep.json", {"split": "dev", "model": "base", "chosen": chosen,
+                                                                  "framings": rows})
+    return rows[chosen]["pairs_run"]
 
 
 def decoding(out_dir: Path, items: list[str]) -> str:
@@ -143,6 +161,9 @@ def plot_rewards(curves: dict, path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    fra = sub.add_parser("framing")
+    fra.add_argument("out_dir", type=Path)
+    fra.add_argument("runs", nargs="+", metavar="NAME=EVAL_RUN")
     dec = sub.add_parser("decoding")
     dec.add_argument("out_dir", type=Path)
     dec.add_argument("runs", nargs="+", metavar="NAME=EVAL_RUN")
@@ -153,7 +174,9 @@ def main(argv=None) -> None:
     summ.add_argument("out_dir", type=Path)
     summ.add_argument("runs", nargs="*", metavar="NAME=GRPO_RUN")
     args = parser.parse_args(argv)
-    if args.command == "decoding":
+    if args.command == "framing":
+        print(framing(args.out_dir, args.runs))
+    elif args.command == "decoding":
         print(decoding(args.out_dir, args.runs))
     elif args.command == "rising":
         print("\n".join(map(str, rising(args.runs))))

@@ -21,6 +21,7 @@
 # finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
 # on from a chain that stopped: every finished stage is taken as it is. MAX_JOBS: stages at once.
 # HARD_NEGATIVES=1: the training judge's second round on the practised policy's replies (step 3b).
+# FRAMINGS: a file of prompt framings (system prompts) to choose among on dev before anything trains (step 0).
 # RECIPE: the recipe folder (default configs/smol-gpu; the test runs configs/tiny; configs/qwen-gpu with
 # MAX_PREMISES=100 and PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml: Qwen2.5-Coder-1.5B); PAIRS_CONFIG
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
@@ -56,9 +57,45 @@ declare -A GRPO_RECIPES=(
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
   --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
 
+# 0. The prompt's framing, chosen on dev (FRAMINGS: a file of `NAME SYSTEM PROMPT` lines, NAME `none` for no
+#    system turn of ours): a pairs run for each framing, a feature judge trained on it, and the base model's
+#    replies to MAX_PREMISES dev premises scored by it; the framing whose base replies are refused least, then
+#    scored highest, frames every later stage (scripts/persuasion_real_weights.py framing). A framing step that
+#    fails leaves PAIRS_CONFIG's own framing, and says so.
+pairs=${PAIRS_RUN:-}
+if [[ -z $pairs && -n ${FRAMINGS:-} ]]; then
+  framings=()
+  while read -r name prompt; do
+    [[ -z $name || $name == \#* ]] && continue
+    system=(); [[ $name != none ]] && system=(--system_prompt "$prompt")
+    background "framing_pairs_$name" 01_build_pairs.py --config "$PAIRS_CONFIG" "${system[@]}" --run_name "Pairs_framing_$name"
+    framings+=("$name")
+  done < "$FRAMINGS"
+  wait_for_all --allow_failures
+  for name in "${framings[@]}"; do
+    [[ -s "$LOGS/framing_pairs_$name.dir" ]] && background "framing_judge_$name" 03_train_reward.py \
+      --config "$RECIPE/03_train_reward_features.yaml" --pairs_run "$(cat "$LOGS/framing_pairs_$name.dir")" \
+      --run_name "Judge_framing_$name"
+  done
+  wait_for_all --allow_failures
+  for name in "${framings[@]}"; do
+    # shellcheck disable=SC2086  # the decoding's words are separate arguments
+    [[ -s "$LOGS/framing_judge_$name.dir" ]] && background "framing_eval_$name" 05_eval.py \
+      --config "$RECIPE/05_eval.yaml" --pairs_run "$(cat "$LOGS/framing_pairs_$name.dir")" \
+      --reward_run "$(cat "$LOGS/framing_judge_$name.dir")" --split dev --max_premises "$MAX_PREMISES" \
+      ${DECODING:-} --run_name "Framing_$name"
+  done
+  wait_for_all --allow_failures
+  sweep=(); for name in "${framings[@]}"; do
+    [[ -s "$LOGS/framing_eval_$name.dir" ]] && sweep+=("$name=$(cat "$LOGS/framing_eval_$name.dir")"); done
+  (( ${#sweep[@]} )) && pairs=$("$PY" scripts/persuasion_real_weights.py framing "$SUMMARY_DIR" "${sweep[@]}") || pairs=""
+  if [[ -n $pairs ]]; then echo "framing (chosen on dev): $pairs" >&2
+  else echo "framing: no framing run finished (failed: ${FAILED[*]:-none}); the pairs of $PAIRS_CONFIG as it is" >&2; fi
+fi
+
 # 1. Pairs; SFT in the background while the judge candidates train and the training judge is picked on dev_later
 #    (the best of those that pass the gibberish audit, else the hardest to fool of those level with the best).
-pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
+pairs=${pairs:-$(stage 01_build_pairs.py --config "$PAIRS_CONFIG")}
 # shellcheck disable=SC2086
 [[ -n ${SFT_RUN:-} ]] || background sft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" --run_name SFT ${SFT_ARGS:-}
 best=$(PAIRS_RUN="$pairs" RECIPE_03="$RECIPE" LOGS="$LOGS/judges" bash scripts/judges_later_posts.sh | tail -1) \

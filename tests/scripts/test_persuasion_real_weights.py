@@ -23,7 +23,9 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
                           f"minilm_pointwise --config configs/tiny/03_train_reward_minilm_pointwise.yaml "
                           f"--judge_model_name_or_path {bert}\n"
                           f"smollm2_decoder_lr3e-4 --config configs/tiny/03_train_reward_smol.yaml --learning_rate 3e-4\n")
-    env = {**os.environ, "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/smol/01_build_pairs.yaml", "MAX_PREMISES": "6",
+    framings = tmp_path / "framings.txt"  # the framing chosen on dev first (step 0)
+    framings.write_text("none\ndebate You reply to r/ChangeMyView posts: change the poster's view.\n")
+    env = {**os.environ, "FRAMINGS": str(framings), "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/smol/01_build_pairs.yaml", "MAX_PREMISES": "6",
            "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary"), "MINILM": str(bert),
            "PY": sys.executable, "BEST_OF_N": "2", "FLUENCY_MODEL": str(tiny_model), "BUILTIN": "0",
            "CANDIDATES_FILE": str(candidates), "ENSEMBLE_SIZES": "", "GRPO_ONLY": "lr1e-4 par_fluency_gate"}
@@ -35,6 +37,10 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     # every stage's lines are in the log, not only the last one's
     assert "run_dir: " in text.split("training judge (chosen on dev_later)")[0] and "finished in" in text
     summary = json.loads((tmp_path / "summary" / "persuasion_real_weights.json").read_text())
+    framing = json.loads((tmp_path / "summary" / "persuasion_framing_sweep.json").read_text())
+    assert set(framing["framings"]) == {"none", "debate"} and framing["split"] == "dev"
+    chosen_pairs = framing["framings"][framing["chosen"]]["pairs_run"]
+    assert f"framing (chosen on dev): {chosen_pairs}" in text
     models = list(summary["models"])
     assert models[:3] == ["base", "sft", "grpo"] and {"grpo_from_base", "dpo", "orpo", "raft", "best_of_n"} <= set(models)
     judges = summary["judges"]
@@ -80,12 +86,14 @@ FAKE_PY = r'''#!/usr/bin/env bash
 # A stand-in interpreter: every stage "finishes" with a run directory, except those FAIL names (a crash)
 # and those GUARD names (stopped by the length guard); the helper scripts print what the chain reads.
 script=$1; shift
+echo "$script $*" >> "${CALLS:-/dev/null}"
 command=${1:-}  # a helper script's subcommand, before the loop below takes the arguments
 runs=$RUNS_DIR; name=""
 while (( $# )); do case $1 in --runs_dir) runs=$2; shift 2 ;; --run_name) name=$2; shift 2 ;; *) shift ;; esac; done
 case $script in
   scripts/judges_later_posts.py) case $command in best) echo "best: j $runs/Judge" ;; best2) printf '%s\n' a b ;; esac; exit 0 ;;
-  scripts/persuasion_real_weights.py) case $command in decoding) echo "--temperature 0" ;; rising) ls -d "$runs"/GRPO_* ;; esac; exit 0 ;;
+  scripts/persuasion_real_weights.py) case $command in decoding) echo "--temperature 0" ;; rising) ls -d "$runs"/GRPO_* ;;
+    framing) echo "$runs/Pairs_framing_debate" ;; esac; exit 0 ;;
   scripts/*) exit 0 ;;
 esac
 name=${name:-$(basename "$script" .py)_$RANDOM$RANDOM}
@@ -144,3 +152,51 @@ def test_the_judges_second_round_trains_on_the_practised_policys_replies(tmp_pat
     code, out = _chain(tmp_path, HARD_NEGATIVES="1")
     assert code == 0 and "hard negatives: the training judge (j, ensemble) trains on no extra pairs" in out
     assert not (runs / "HardNegative_Replies").exists()
+
+
+def test_the_framing_is_chosen_on_dev_before_anything_trains(tmp_path):
+    """FRAMINGS: a pairs run, a feature judge and the base's dev replies for each framing; the chosen framing's
+    pairs run is the one every later stage reads, and no other pairs run is built."""
+    framings = tmp_path / "framings.txt"
+    framings.write_text("# name, then the system prompt\nnone\ndebate You reply to r/ChangeMyView posts.\n")
+    calls = tmp_path / "calls.txt"
+    code, out = _chain(tmp_path, FRAMINGS=str(framings), CALLS=str(calls))
+    assert code == 0, out[-3000:]
+    runs = tmp_path / "runs"
+    chosen = runs / "Pairs_framing_debate"
+    assert f"framing (chosen on dev): {chosen}" in out
+    lines = calls.read_text().splitlines()
+    pairs = [line for line in lines if line.startswith("01_build_pairs.py")]
+    assert len(pairs) == 2 and "--system_prompt You reply to r/ChangeMyView posts." in pairs[1]
+    assert "--system_prompt" not in pairs[0]
+    evals = [line for line in lines if line.startswith("05_eval.py") and "--run_name Framing_" in line]
+    assert len(evals) == 2 and all("--split dev" in line for line in evals)
+    sft = next(line for line in lines if line.startswith("02_train_sft.py") and "--run_name SFT" in line)
+    assert f"--pairs_run {chosen}" in sft
+    # every framing run failing: the recipe's own pairs, and the chain says it failed
+    (tmp_path / "failing").mkdir()
+    code, out = _chain(tmp_path / "failing", FRAMINGS=str(framings), FAIL="Pairs_framing_none Pairs_framing_debate")
+    assert "framing: no framing run finished" in out and code == 1, out[-3000:]
+
+
+
+def test_the_framing_rule_takes_the_least_refused_then_the_best_scored(tmp_path):
+    """scripts/persuasion_real_weights.py framing: refusal first (within 0.02 of the lowest), the judge's reward
+    among those; the sweep's table is written beside the summary."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import persuasion_real_weights as prw
+
+    def eval_run(name, refusal, reward):
+        run = tmp_path / name
+        run.mkdir()
+        base = {"refusal_share": refusal, "reward_mean": reward, "reply_words_mean": 120.0, "looped_share": 0.0,
+                "premise_copy_share": 0.0}
+        (run / "eval.json").write_text(json.dumps({"base": base}))
+        (run / "manifest.json").write_text(json.dumps({"pairs_run": f"runs/Pairs_{name}"}))
+        return f"{name}={run}"
+
+    runs = [eval_run("none", 0.10, 2.0), eval_run("debate", 0.01, 0.5), eval_run("terse", 0.02, 0.9)]
+    assert prw.framing(tmp_path, runs) == "runs/Pairs_terse"  # 0.02 is within 0.02 of 0.01, and scored higher
+    sweep = json.loads((tmp_path / "persuasion_framing_sweep.json").read_text())
+    assert sweep["chosen"] == "terse" and set(sweep["framings"]) == {"none", "debate", "terse"}
+    assert prw.framing(tmp_path, runs[:2]) == "runs/Pairs_debate"  # the most refused loses whatever its score
