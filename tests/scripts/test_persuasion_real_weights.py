@@ -34,8 +34,10 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
                               stderr=subprocess.STDOUT, text=True)
     text = (tmp_path / "chain.log").read_text()
     assert proc.returncode == 0, text[-4000:]
-    # every stage's lines are in the log, not only the last one's
-    assert "run_dir: " in text.split("training judge (chosen on dev_later)")[0] and "finished in" in text
+    # the log keeps every step's lines in order, a stage's echo overwriting none of the earlier ones
+    steps = ["framing (chosen on dev)", "training judge (chosen on dev_later)", "run_dir: ", "finished in"]
+    where = [text.find(step) for step in steps]
+    assert -1 not in where and where == sorted(where), dict(zip(steps, where))
     summary = json.loads((tmp_path / "summary" / "persuasion_real_weights.json").read_text())
     framing = json.loads((tmp_path / "summary" / "persuasion_framing_sweep.json").read_text())
     assert set(framing["framings"]) == {"none", "debate"} and framing["split"] == "dev"
