@@ -95,8 +95,8 @@ class _Group:
         rows = sum(self.sizes)
         self.bias = None  # Qwen2's q/k/v carry one (frozen, unquantised): stacked once, added after the matmul
         if any(b.bias is not None for b in bases):
-            self.bias = torch.cat([b.bias if b.bias is not None else b.weight.new_zeros(b.out_features, dtype=dtype)
-                                   for b in bases]).to(dtype)
+            self.bias = torch.cat([b.bias.to(dtype) if b.bias is not None else
+                                   torch.zeros(b.out_features, dtype=dtype, device=b.weight.device) for b in bases])
         self.nf4 = weights == "nf4" and all(_is_4bit(b) for b in bases)
         if self.nf4:  # dequantised into `scratch` at each step, by the kernel chosen once here
             self.bases = [(b, _absmax(model, n, b)) for n, b in zip(names, bases)]
