@@ -27,16 +27,18 @@ sys.path.insert(0, str(REPO))
 
 
 def posts(n: int, words: int) -> list[list[dict]]:
-    """The first `n` distinct CMV posts of the bundled data, cut to `words` words, as the user's turn."""
+    """The prompts of the first `n` distinct CMV posts of the bundled data, as stage 01 builds them
+    (`common.tasks.cmv.to_pair`: title and body cut to `words` words, give-aways scrubbed)."""
+    from common.tasks.cmv import to_pair
     seen, prompts = set(), []
     with gzip.open(REPO / "data/cmv/cmv_pairs.jsonl.gz", "rt") as f:
-        for line in f:
+        for i, line in enumerate(f, 1):
             row = json.loads(line)
-            if row["op_id"] in seen:
+            pair = to_pair(row, f"cmv_pairs.jsonl.gz line {i}", words)
+            if isinstance(pair, str) or row["op_id"] in seen:  # a dropped row (its reason), or a post seen
                 continue
             seen.add(row["op_id"])
-            text = " ".join(str(row["op_text"]).split()[:words])
-            prompts.append([{"role": "user", "content": f"{row['op_title']}\n\n{text}"}])
+            prompts.append(pair["prompt"])
             if len(prompts) == n:
                 break
     return prompts

@@ -41,6 +41,13 @@ def _named(items: list[str]) -> dict[str, Path]:
     return {name: Path(run) for name, _, run in (item.partition("=") for item in items)}
 
 
+def _guarded_best(rows: dict, fault, score, slack: float = 0.02) -> str:
+    """The dev sweeps' rule: among the rows whose `fault` (a share to keep low) is within `slack` of the
+    lowest, the one with the highest `score`."""
+    low = min(fault(r) for r in rows.values())
+    return max((n for n, r in rows.items() if fault(r) <= low + slack), key=lambda n: score(rows[n]))
+
+
 def framing(out_dir: Path, items: list[str]) -> str:
     rows = {}
     for name, run in _named(items).items():
@@ -48,8 +55,7 @@ def framing(out_dir: Path, items: list[str]) -> str:
         rows[name] = {"run": run.name, "pairs_run": manifest["pairs_run"], "refusal_share": base["refusal_share"],
                       "reward_mean": base["reward_mean"], "reply_words_mean": base["reply_words_mean"],
                       "looped_share": base["looped_share"], "premise_copy_share": base["premise_copy_share"]}
-    calm = [n for n in rows if rows[n]["refusal_share"] <= min(r["refusal_share"] for r in rows.values()) + 0.02]
-    chosen = max(calm, key=lambda n: rows[n]["reward_mean"])
+    chosen = _guarded_best(rows, lambda r: r["refusal_share"], lambda r: r["reward_mean"])
     write_json(Path(out_dir) / "persuasion_framing_sweep.json", {"split": "dev", "model": "base", "chosen": chosen,
                                                                   "framings": rows})
     return rows[chosen]["pairs_run"]
@@ -63,9 +69,8 @@ def decoding(out_dir: Path, items: list[str]) -> str:
                       **{f"{model}_{k}": results[model][k] for model in ("base", "sft") for k in SHAPE},
                       **{f"{model}_reward_mean": results[model]["reward_mean"] for model in ("base", "sft")},
                       "sft_win_rate_vs_base": results["sft"]["win_rate_vs_base"]}
-    looped = {n: max(r["base_looped_share"], r["sft_looped_share"]) for n, r in rows.items()}
-    calm = [n for n in rows if looped[n] <= min(looped.values()) + 0.02]
-    chosen = max(calm, key=lambda n: (rows[n]["base_reward_mean"] + rows[n]["sft_reward_mean"]) / 2)
+    chosen = _guarded_best(rows, lambda r: max(r["base_looped_share"], r["sft_looped_share"]),
+                           lambda r: (r["base_reward_mean"] + r["sft_reward_mean"]) / 2)
     write_json(Path(out_dir) / "persuasion_decoding_sweep.json", {"split": "dev", "chosen": chosen, "decodings": rows})
     c = rows[chosen]
     return (f"--temperature {c['temperature']} --repetition_penalty {c['repetition_penalty']} "
