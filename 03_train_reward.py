@@ -21,6 +21,7 @@ runs are 05's --crossfit_judge_runs; `train_also` adds more splits' pairs. `earl
 the epoch of lowest loss there. `--corruptions` adds (real reply over its corruption) pairs and
 `--hard_negatives` an Eval run's replies as losers to the real winners of their posts; the audit's
 `corruption` key says how often the judge prefers real replies to corruptions (docs/results.md).
+`topic_gate` subtracts a penalty for a reply with little in common with its post (topic_gate.json).
 `judge_backbone: features` fits a logistic regression on Tan et al.'s features instead
 (feature_judge.json, no neural model); `ensemble` combines the judge runs of `ensemble_of`
 (ensemble.json); both are judged and audited as the others. The manifest's `base` is the
@@ -57,6 +58,7 @@ from common.rewards import (
 )
 from common.runs import Run, RunError, settle
 from common.tasks import get_task
+from common.topic_gate import TopicGated
 from common.training import save_adapter, train, trainer_args
 
 log = logging.getLogger("pipeline")
@@ -165,6 +167,14 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
         (scorer, bad_counts), metrics, n_dropped = fit_without_training(config, run, train_rows, hard_rows, members), {}, 0
     else:  # 3-4. A model judge, trained (train_model_judge)
         scorer, metrics, n_dropped, bad_counts = train_model_judge(config, run, train_rows, hard_rows, hard_counts, dev_rows)
+
+    # 4'. The topic gate (topic_gate > 0): the judge's score minus a penalty for a reply with less in common with
+    #     its post than all but topic_gate_quantile of the train replies (topic_gate.json; common/topic_gate.py).
+    if config.topic_gate:
+        scorer = TopicGated.fit(scorer, train_rows, config.topic_gate, config.topic_gate_quantile)
+        scorer.save(run.dir)
+        metrics["topic_gate"] = {k: v for k, v in scorer.fitted.items() if k not in ("topic_gate", "topic_gate_quantile")}
+        log.info("topic gate: %s", metrics["topic_gate"])
 
     # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
     prompts = [r["prompt"] for r in dev_rows]

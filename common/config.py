@@ -409,6 +409,13 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         0.25, "corruptions: pairs of each kind, as a share of the train pairs; each from a train pair drawn at "
         "random (seeded), with its winner or its loser as the real reply (up to 2: every reply of every pair)",
         gt=0, le=2)
+    topic_gate: float = arg(
+        0.0, "the topic gate's weight, in sd of the judge's scores over the train replies: the judge's score minus "
+        "topic_gate x max(0, 1 - cosine / floor), the cosine of a reply's and its post's tf-idf vectors, so that a "
+        "reply written for another post cannot win (common/topic_gate.py); 0: no gate", ge=0)
+    topic_gate_quantile: float = arg(
+        0.05, "topic_gate: the floor, as this quantile of the train replies' own cosines with their posts",
+        gt=0, le=0.5)
     hard_negatives: list[str] = arg(
         help="Eval runs (stage 05's replies.jsonl) whose replies become losers against the real winners of the same "
              "posts, as RUN:MODEL (e.g. runs/Dec04_Eval_Run2:Dec04_GRPO_Run1) or RUN with hard_negative_models; a "
@@ -469,6 +476,9 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         if self.corruption_share != 0.25 and not self.corruptions:
             raise ConfigError("field 'corruption_share' is for corruptions: leave it out, or give --corruptions",
                               "corruption_share")
+        if self.topic_gate_quantile != 0.05 and not self.topic_gate:
+            raise ConfigError("field 'topic_gate_quantile' is for topic_gate: leave it out, or give --topic_gate",
+                              "topic_gate_quantile")
         bare = [s for s in self.hard_negatives if ":" not in s or Path(s).is_dir()]  # as hard_negatives.parse reads it
         if bare and not self.hard_negative_models:
             raise ConfigError(f"field 'hard_negatives': {bare[0]} names no model: give RUN:MODEL or "

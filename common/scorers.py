@@ -83,12 +83,14 @@ JUDGE_RUNS = {"features": "common.feature_judge:FeatureScorer", "ensemble": "com
 @register("run")
 def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scorer:
     """A stage-03 run's judge, built by its config's judge_backbone: a model (lora_4bit, encoder), the
-    feature judge (features) or an ensemble of judge runs (ensemble)."""
+    feature judge (features) or an ensemble of judge runs (ensemble); gated when the run has a topic gate."""
     from common.config import RewardStageConfig, load_run_config
     config = load_run_config(path)
     backbone = config.judge_backbone if isinstance(config, RewardStageConfig) else None
     module, _, name = JUDGE_RUNS.get(backbone, JUDGE_RUNS["model"]).partition(":")
-    return getattr(importlib.import_module(module), name).from_run(path, batch_size=batch_size, packed=packed)
+    judge = getattr(importlib.import_module(module), name).from_run(path, batch_size=batch_size, packed=packed)
+    from common.topic_gate import TopicGated
+    return TopicGated.wrap(judge, path)  # with the run's topic gate, if it has one
 
 
 # Modules whose scorers register themselves when imported: imported on the first load_scorer.

@@ -1,0 +1,121 @@
+"""The topic gate (common/topic_gate.py, stage 03's `topic_gate`): its floor and weight from the train
+replies, the penalty on fixed cosines, a judge that rewards less in common with the post made to prefer the
+real reply to another post's, the saved gate rebuilt by `run:PATH`, and the settings refused."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_dir_of, run_stage
+
+from common.corruptions import corrupted
+from common.data import load_split
+from common.features import premise_text
+from common.scorers import FunctionScorer, Scorer, load_scorer
+from common.topic_gate import ARTIFACT, TopicGated
+
+
+def _rows(n: int = 40, seed: int = 0) -> list[dict]:
+    """Posts on made-up topics; each reply uses filler and a few of its post's topic words (the winner fewer)."""
+    rng = np.random.default_rng(seed)
+    filler = "the a it is that because however people think evidence reason claim view".split()
+    rows = []
+    for i in range(n):
+        names = ["".join(w) for w in rng.choice(list("bcdfghjklmnprstvwz"), size=(6, 7))]
+        text = lambda k: " ".join(rng.choice(filler, 20)) + " " + " ".join(rng.choice(names, k)) + "."  # noqa: E731
+        rows.append({"id": str(i), "group_id": str(i), "prompt": [{"role": "user", "content": " ".join(names * 2)}],
+                     "chosen": text(2), "rejected": text(4)})
+    return rows
+
+
+def _fewer_shared_words(prompts, replies, **_):
+    """A judge fitted on such pairs: the fewer of the post's words a reply repeats, the better."""
+    return [-len(set(premise_text(p).split()) & set(r.rstrip(".").split())) for p, r in zip(prompts, replies)]
+
+
+def test_gate_floor_weight_and_penalty():
+    rows = _rows()
+    judge = FunctionScorer(_fewer_shared_words, name="judge")
+    gate = TopicGated.fit(judge, rows, strength=3.0, quantile=0.1)
+    prompts = [r["prompt"] for r in rows for _ in (0, 1)]
+    replies = [r[k] for r in rows for k in ("chosen", "rejected")]
+    cosines = gate.topic.cosines([premise_text(p) for p in prompts], replies)
+    assert gate.floor == pytest.approx(np.quantile(cosines, 0.1)) and gate.floor > 0
+    assert gate.weight == pytest.approx(3.0 * np.std(judge.score(prompts, replies)))
+    assert gate.fitted["train_replies_gated"] == int((cosines < gate.floor).sum()) == len(replies) // 10
+    penalty = gate.penalty(prompts, replies)
+    assert np.all(penalty[cosines >= gate.floor] == 0)
+    below = cosines < gate.floor
+    assert penalty[below] == pytest.approx(gate.weight * (1 - cosines[below] / gate.floor))
+    # A reply with no word of its post pays the whole weight; the gated score is the judge's minus the penalty.
+    assert gate.penalty(prompts[:1], ["nothing here at all"]) == pytest.approx([gate.weight])
+    assert gate.score(prompts[:4], replies[:4]) == pytest.approx(
+        list(np.array(judge.score(prompts[:4], replies[:4])) - penalty[:4]))
+    # Everything but the score is the judge's; the backends say a gate is on.
+    assert isinstance(gate, Scorer) and gate.name == "judge" and gate.backends["topic_gate"] is True
+
+
+def test_gate_makes_the_judge_prefer_the_real_reply_to_another_posts():
+    rows = _rows()
+    judge = FunctionScorer(_fewer_shared_words, name="judge")
+    gate = TopicGated.fit(judge, rows, strength=5.0, quantile=0.05)
+    pairs, _ = corrupted(rows, "other_post", seed=0)
+    prompts = [p["prompt"] for p in pairs]
+
+    def share(scorer):
+        real, other = scorer.score(prompts, [p["chosen"] for p in pairs]), scorer.score(prompts, [p["rejected"] for p in pairs])
+        return np.mean(np.array(real) > np.array(other))
+
+    assert share(judge) < 0.2  # the other post's reply repeats none of this post's words: the plain judge's best
+    assert share(gate) >= 0.95
+    # The winner-vs-loser order of the real pairs is the judge's: both replies are on topic, above the floor.
+    same = [(gate.score([r["prompt"]] * 2, [r["chosen"], r["rejected"]]), judge.score([r["prompt"]] * 2, [r["chosen"], r["rejected"]]))
+            for r in rows]
+    assert np.mean([(g[0] > g[1]) == (j[0] > j[1]) for g, j in same]) >= 0.9
+
+
+def test_saved_gate_rebuilds_the_same_scores(tmp_path):
+    rows = _rows()
+    judge = FunctionScorer(_fewer_shared_words, name="judge")
+    gate = TopicGated.fit(judge, rows, strength=2.0, quantile=0.1)
+    gate.save(tmp_path)
+    assert TopicGated.wrap(judge, tmp_path / "elsewhere") is judge  # a run without a gate: the judge itself
+    again = TopicGated.wrap(judge, tmp_path)
+    prompts, replies = [r["prompt"] for r in rows], [r["chosen"] for r in rows]
+    assert again.score(prompts, replies) == pytest.approx(gate.score(prompts, replies))
+    saved = json.loads((tmp_path / ARTIFACT).read_text())
+    assert saved["topic_gate"] == 2.0 and saved["weight"] == pytest.approx(gate.weight)
+
+
+@pytest.mark.stage
+def test_stage_03_gates_a_judge_and_run_path_rebuilds_it(tmp_path):
+    runs = tmp_path / "runs"
+    pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
+                                 "--split_by", "period", "--runs_dir", runs))
+    run = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward_features.yaml",
+                               "--pairs_run", pairs, "--runs_dir", runs, "--topic_gate", "4", "--topic_gate_quantile",
+                               "0.2"))
+    metrics = json.loads((run / "metrics.json").read_text())
+    gate = metrics["topic_gate"]
+    assert gate["train_replies"] == 2 * metrics["n_train_pairs"] and 0 < gate["train_replies_gated"] < gate["train_replies"]
+    assert gate["weight"] == pytest.approx(4 * gate["judge_sd"])
+    assert json.loads((run / "manifest.json").read_text())["artifacts"][ARTIFACT]  # covered by the run's digests
+    scorer = load_scorer(f"run:{run}")
+    assert isinstance(scorer, TopicGated) and scorer.name == run.name
+    saved = [json.loads(line) for line in (run / "dev_scores.jsonl").read_text().splitlines()]
+    dev = load_split(pairs, "dev")[: len(saved)]  # the audit's first max_eval_examples
+    assert scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev]) == pytest.approx(
+        [s["chosen_score"] for s in saved])
+    assert "other_post" in json.loads((run / "judge_audit.json").read_text())["corruption"]["kinds"]
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"topic_gate_quantile": 0.1}, "topic_gate_quantile"),
+    ({"topic_gate": -1.0}, "topic_gate"),
+    ({"topic_gate": 1.0, "topic_gate_quantile": 0.9}, "topic_gate_quantile"),
+])
+def test_topic_gate_settings_refused(fields, field):
+    from common.config import ConfigError, RewardStageConfig
+    with pytest.raises(ConfigError, match=f"'{field}"):
+        RewardStageConfig(model_name_or_path=".cache/models/tiny-llama3", pairs_run="p", **fields)
