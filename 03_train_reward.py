@@ -168,13 +168,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     else:  # 3-4. A model judge, trained (train_model_judge)
         scorer, metrics, n_dropped, bad_counts = train_model_judge(config, run, train_rows, hard_rows, hard_counts, dev_rows)
 
-    # 4'. The topic gate (topic_gate > 0): the judge's score minus a penalty for a reply with less in common with
-    #     its post than all but topic_gate_quantile of the train replies (topic_gate.json; common/topic_gate.py).
-    if config.topic_gate:
-        scorer = TopicGated.fit(scorer, train_rows, config.topic_gate, config.topic_gate_quantile)
-        scorer.save(run.dir)
-        metrics["topic_gate"] = {k: v for k, v in scorer.fitted.items() if k not in ("topic_gate", "topic_gate_quantile")}
-        log.info("topic gate: %s", metrics["topic_gate"])
+    scorer = with_topic_gate(config, run, scorer, train_rows, metrics)  # 4'. topic_gate > 0: gated (topic_gate.json)
 
     # 5. Judge the audit split with the same scorer that stages 04 and 05 use.
     prompts = [r["prompt"] for r in dev_rows]
@@ -188,7 +182,7 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
                    train_split=config.train_split, train_also=config.train_also, n_train_pairs=len(train_rows),
                    n_train_pairs_dropped_too_long=n_dropped, **bad_counts, hard_negative_pairs=hard_counts)
 
-    # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, verdict.
+    # 6. The audit (judge_audit.json): baselines, length correlation, shortcut probes, gibberish, verdict.
     #    A pairs run split by period holds the source's later posts in test: the audit names it.
     #    Every held-out split is judged, a left-out fold too; a split the judge trained on is no audit, and a
     #    pairs run written before dev_later existed has no such file.
@@ -200,16 +194,11 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     periods = {s: "period" if s.split("_fold")[0] in ("test", "dev_later") else "in-period"
                for s in [config.audit_split, *extra]} \
         if split_by == "period" else {}
-    #    The gibberish audit: real replies against their corruptions on dev_later and test, those the judge
-    #    did not train on (else the audit split).
-    trained = (config.train_split, *config.train_also)
-    gibberish = {s: extra.get(s) or load_split(config.pairs_run, s)[: config.max_eval_examples]
-                 for s in ("dev_later", "test") if s not in trained and (Path(config.pairs_run) / f"{s}.jsonl").is_file()}
-    gibberish = {s: rows for s, rows in gibberish.items() if rows} or {config.audit_split: dev_rows}
     metrics["split_by"] = split_by
     metrics["judge_audit"] = write_judge_audit(run.dir, scorer, train_rows, dev_rows, chosen, rejected, extra,
                                                config.seed, split=config.audit_split, periods=periods,
-                                               probes=get_task(run.task).PROBES, corruption_splits=gibberish)
+                                               probes=get_task(run.task).PROBES,
+                                               corruption_splits=gibberish_splits(config, extra, dev_rows))
     run.finish(metrics)
 
 
@@ -226,6 +215,28 @@ def fit_without_training(config: RewardStageConfig, run, train_rows: list[dict],
         return scorer, bad_counts
     return EnsembleScorer.build(config, run.dir, members, train_rows, batch_size=config.per_device_train_batch_size,
                                 packed=config.fast_paths), {}
+
+
+def with_topic_gate(config: RewardStageConfig, run, scorer, train_rows: list[dict], metrics: dict):
+    """With topic_gate > 0, the judge minus a penalty for a reply with less in common with its post than all but
+    topic_gate_quantile of the train pairs' real replies (common/topic_gate.py), saved in the run and described
+    in `metrics`; else the judge itself."""
+    if not config.topic_gate:
+        return scorer
+    gated = TopicGated.fit(scorer, train_rows, config.topic_gate, config.topic_gate_quantile)
+    gated.save(run.dir)
+    metrics["topic_gate"] = {k: v for k, v in gated.fitted.items() if k not in ("topic_gate", "topic_gate_quantile")}
+    log.info("topic gate: %s", metrics["topic_gate"])
+    return gated
+
+
+def gibberish_splits(config: RewardStageConfig, extra: dict[str, list[dict]], dev_rows: list[dict]) -> dict:
+    """The gibberish audit's pairs: real replies against their corruptions on dev_later and test, those the judge
+    did not train on (else the audit split)."""
+    trained = (config.train_split, *config.train_also)
+    splits = {s: extra.get(s) or load_split(config.pairs_run, s)[: config.max_eval_examples]
+              for s in ("dev_later", "test") if s not in trained and (Path(config.pairs_run) / f"{s}.jsonl").is_file()}
+    return {s: rows for s, rows in splits.items() if rows} or {config.audit_split: dev_rows}
 
 
 def training_pairs(config: RewardStageConfig) -> tuple[list[dict], dict[str, list[dict]]]:
