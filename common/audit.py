@@ -225,6 +225,8 @@ def write_judge_audit(run_dir: Path, scorer, train: list[dict], dev: list[dict],
         result["corruption"] = corruptions.corruption_audit(scorer, corruption_splits, seed=seed)
         result["verdict"]["text"] += " " + corruptions.verdict_line(result["corruption"])
     result.update(scorer.audit_fields() if hasattr(scorer, "audit_fields") else {})  # e.g. feature_coefficients
+    if result.get("audit_note"):  # what the judge says of itself in the audit's text (e.g. a topic gate)
+        result["verdict"]["text"] += " " + result.pop("audit_note")
     write_json(Path(run_dir) / "judge_audit.json", result)
     log.info("judge audit: %s", result["verdict"]["text"])
     summary = {"split": split, "accuracy": result["judge"]["accuracy"], "accuracy_ci95": result["judge"]["accuracy_ci95"],

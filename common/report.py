@@ -152,8 +152,9 @@ def judges_section(results: dict, judges: dict, lines: list[str]) -> list[str]:
            "The same replies scored by every judge. A policy trained against one judge can learn that judge's blind "
            "spots; a judge it never trained against, on posts it never saw, checks that the gain is real."]
     for name, judge in judges.items():
+        gate = f", topic gate {judge['topic_gate']:g}" if judge.get("topic_gate") else ""  # common/topic_gate.py
         out += ["", f"**{md(name)}**: {judge['objective']} {judge['backbone']} judge ({md(judge['model'])}, family "
-                f"{md(judge.get('family', 'unknown'))}), trained on the "
+                f"{md(judge.get('family', 'unknown'))}{gate}), trained on the "
                 f"{judge['train_split']} split; {roles[judge['role']]}; {judge.get('period', 'period unknown')}." +
                 (f" {judge['description']}" if judge.get("description") else ""), "",
                 "| model | reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] | win rate vs SFT | "

@@ -30,17 +30,28 @@ ARTIFACT = "topic_gate.json"
 class TopicGated:
     """A Scorer: a judge's score minus the topic gate's penalty. Everything but the score is the judge's."""
 
-    def __init__(self, judge, topic: Topic, floor: float, weight: float):
+    def __init__(self, judge, topic: Topic, floor: float, weight: float, fitted: dict | None = None):
         self.judge, self.topic, self.floor, self.weight = judge, topic, float(floor), float(weight)
+        self.fitted = fitted or {"floor": self.floor, "weight": self.weight}  # what the run says of the gate
 
-    def __getattr__(self, name):  # name, scoring, visible_reply, audit_fields, model...: the judge's own
-        if name == "judge":  # not set yet (copy, pickle): no recursion through self.judge
+    def __getattr__(self, name):  # name, scoring, visible_reply, model...: the judge's own
+        if name in ("judge", "fitted"):  # not set yet (copy, pickle): no recursion through self.judge
             raise AttributeError(name)
         return getattr(self.judge, name)
 
     @property
     def backends(self) -> dict:
         return {**self.judge.backends, "topic_gate": True}
+
+    def audit_fields(self) -> dict:
+        """judge_audit.json: the judge's own fields, the gate's numbers, and a sentence for the audit's text."""
+        own = self.judge.audit_fields() if hasattr(self.judge, "audit_fields") else {}
+        strength = f" {self.fitted['topic_gate']:g}" if "topic_gate" in self.fitted else ""
+        below = (f" ({self.fitted['train_replies_gated']} of {self.fitted['train_replies']} train replies are below)"
+                 if "train_replies" in self.fitted else "")
+        note = (f"Topic gate{strength}: a reply loses up to {self.weight:.3g} of its score, all of it with no content "
+                f"word of its post, none at a tf-idf cosine of {self.floor:.3g} or more{below}.")
+        return {**own, "topic_gate": self.fitted, "audit_note": note}
 
     def penalty(self, prompts: list[list[dict]], replies: list[str]) -> np.ndarray:
         cosines = self.topic.cosines([premise_text(p) for p in prompts], replies)
@@ -63,11 +74,9 @@ class TopicGated:
         cosines = topic.cosines([premise_text(p) for p in prompts], replies)
         floor = float(np.quantile(cosines, quantile)) if len(cosines) else 0.0
         sd = (float(np.std(judge.score(prompts, replies))) if replies else 0.0) or 1.0  # all equal: nothing to scale
-        gate = cls(judge, topic, floor, strength * sd)
-        gate.fitted = {"topic_gate": strength, "topic_gate_quantile": quantile, "floor": floor, "judge_sd": sd,
-                       "weight": gate.weight, "train_replies": len(replies),
-                       "train_replies_gated": int((cosines < floor).sum())}
-        return gate
+        return cls(judge, topic, floor, strength * sd, {
+            "topic_gate": strength, "topic_gate_quantile": quantile, "floor": floor, "judge_sd": sd,
+            "weight": strength * sd, "train_replies": len(replies), "train_replies_gated": int((cosines < floor).sum())})
 
     def save(self, run_dir: Path) -> None:
         write_json(Path(run_dir) / ARTIFACT, {**self.fitted, "topic": self.topic.to_json()})
@@ -79,4 +88,5 @@ class TopicGated:
         if not path.is_file():
             return judge
         saved = read_json(path)
-        return cls(judge, Topic.from_json(saved["topic"]), saved["floor"], saved["weight"])
+        topic = Topic.from_json(saved.pop("topic"))
+        return cls(judge, topic, saved["floor"], saved["weight"], saved)

@@ -1,6 +1,6 @@
 """The topic gate (common/topic_gate.py, stage 03's `topic_gate`): its floor and weight from the train
 replies, the penalty on fixed cosines, a judge that rewards less in common with the post made to prefer the
-real reply to another post's, the saved gate rebuilt by `run:PATH`, and the settings refused."""
+real reply to another post's, the saved gate rebuilt by `run:PATH` and named by stage 05, and the settings refused."""
 from __future__ import annotations
 
 import json
@@ -108,6 +108,13 @@ def test_stage_03_gates_a_judge_and_run_path_rebuilds_it(tmp_path):
     assert scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev]) == pytest.approx(
         [s["chosen_score"] for s in saved])
     assert "other_post" in json.loads((run / "judge_audit.json").read_text())["corruption"]["kinds"]
+    # Stage 05 scores with the gated judge and says so.
+    eval_run = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs,
+                                    "--reward_run", run, "--max_premises", 2, "--max_new_tokens", 4, "--runs_dir", runs))
+    judge = json.loads((eval_run / "eval.json").read_text())["judges"][run.name]
+    assert judge["topic_gate"] == 4 and judge["role"] == "training"
+    assert "Topic gate 4" in (eval_run / "report.md").read_text()  # the audit's text, in 05's "The judge"
+    assert json.loads((run / "judge_audit.json").read_text())["topic_gate"]["weight"] == pytest.approx(gate["weight"])
 
 
 @pytest.mark.parametrize("fields, field", [
