@@ -162,6 +162,12 @@ def train(config, run) -> dict:
     from common.training import save_adapter, trainer_args
     from common.training import train as run_training
 
+    # 0. What only a judge of winner-vs-loser pairs uses is refused, not ignored.
+    unused = [f for f in ("corruptions", "hard_negatives", "topic_gate") if getattr(config, f)]
+    if unused:
+        raise RunError(f"field '{unused[0]}' is for a judge of winner-vs-loser pairs; {config.pairs_run} is a review "
+                       f"pairs run, whose judge is a rating model: leave it out")
+
     # 1. Papers with a rating; the target standardised by the train split's mean and sd.
     train_rows = papers(config.pairs_run, config.train_split, config.max_train_examples)
     dev_rows = papers(config.pairs_run, config.audit_split, config.max_eval_examples)

@@ -90,7 +90,7 @@ def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scor
     module, _, name = JUDGE_RUNS.get(backbone, JUDGE_RUNS["model"]).partition(":")
     judge = getattr(importlib.import_module(module), name).from_run(path, batch_size=batch_size, packed=packed)
     from common.topic_gate import TopicGated
-    return TopicGated.wrap(judge, path)  # with the run's topic gate, if it has one
+    return TopicGated.wrap(judge, path, required=bool(getattr(config, "topic_gate", 0)))  # the run's topic gate
 
 
 # Modules whose scorers register themselves when imported: imported on the first load_scorer.

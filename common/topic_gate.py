@@ -23,6 +23,7 @@ import numpy as np
 
 from common.data import read_json, write_json
 from common.features import Topic, premise_text
+from common.runs import RunError
 
 ARTIFACT = "topic_gate.json"
 
@@ -82,10 +83,14 @@ class TopicGated:
         write_json(Path(run_dir) / ARTIFACT, {**self.fitted, "topic": self.topic.to_json()})
 
     @classmethod
-    def wrap(cls, judge, run_dir: str | Path):
-        """`judge` gated as its run says (topic_gate.json), or `judge` itself in a run without a gate."""
+    def wrap(cls, judge, run_dir: str | Path, required: bool = False):
+        """`judge` gated as its run says (topic_gate.json), or `judge` itself in a run without a gate. `required`:
+        the run's config asks for a gate, so a missing file is an error, never a judge scored without it."""
         path = Path(run_dir) / ARTIFACT
         if not path.is_file():
+            if required:
+                raise RunError(f"judge {Path(run_dir).name}: its config has topic_gate but {ARTIFACT} is missing "
+                               f"(not a finished run of stage 03, or a damaged one)")
             return judge
         saved = read_json(path)
         topic = Topic.from_json(saved.pop("topic"))

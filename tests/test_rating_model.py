@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import run_dir_of, run_stage
+from conftest import error_line, run_dir_of, run_stage
 
 from common.data import load_split, one_per_group
 from common.metrics import rating_source_metrics
@@ -30,6 +30,15 @@ def runs(tiny_model, tmp_path_factory):
 
 
 # --- the model -------------------------------------------------------------------------------------
+
+@pytest.mark.stage
+@pytest.mark.parametrize("field", [["--topic_gate", "2"], ["--corruptions", "cut"]])
+def test_fields_of_a_preference_judge_are_refused_for_a_rating_model(runs, field):
+    out, pairs, _ = runs
+    line = error_line(run_stage("03_train_reward.py", "--config", f"{TINY}/03_train_rating.yaml", "--pairs_run", pairs,
+                                "--runs_dir", out, *field, check=False))
+    assert f"field '{field[0][2:]}'" in line and "rating model" in line
+
 
 def test_pool_mean_and_attention_by_hand():
     from common.rating_model import pool

@@ -12,6 +12,7 @@ from conftest import run_dir_of, run_stage
 from common.corruptions import corrupted
 from common.data import load_split
 from common.features import premise_text
+from common.runs import RunError
 from common.scorers import FunctionScorer, Scorer, load_scorer
 from common.topic_gate import ARTIFACT, TopicGated
 
@@ -81,6 +82,8 @@ def test_saved_gate_rebuilds_the_same_scores(tmp_path):
     gate = TopicGated.fit(judge, rows, strength=2.0, quantile=0.1)
     gate.save(tmp_path)
     assert TopicGated.wrap(judge, tmp_path / "elsewhere") is judge  # a run without a gate: the judge itself
+    with pytest.raises(RunError, match="topic_gate.*missing"):  # one whose config asks for a gate: refused
+        TopicGated.wrap(judge, tmp_path / "elsewhere", required=True)
     again = TopicGated.wrap(judge, tmp_path)
     prompts, replies = [r["prompt"] for r in rows], [r["chosen"] for r in rows]
     assert again.score(prompts, replies) == pytest.approx(gate.score(prompts, replies))
