@@ -66,7 +66,7 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
         info = {"path": str(Path(path).resolve()), "objective": config.judge_objective,
                 "backbone": config.judge_backbone,
                 "model": config.judge_model_name_or_path or config.model_name_or_path,
-                "family": judge_family(config), "topic_gate": config.topic_gate,
+                "family": judge_family(config), "topic_gate": getattr(config, "topic_gate", 0.0),
                 "train_split": config.train_split, "period": _period(config)}
         posts, premises = train_posts(path)
         overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or _seen(p, premises)})
