@@ -48,6 +48,9 @@ def test_the_report_has_a_table_per_judge_and_the_lines():
     assert "**R2**: pointwise encoder judge (e, family bert), trained on the dev split; held out" in text
     assert "| grpo | 0.100 | 0.80 [0.70, 0.90] | 0.80 [0.70, 0.90] |" in text
     assert text.count("| model | reward (mean) |") == 3 and "but not under the held-out judge R2" in text
+    assert "topic gate" not in text
+    gated = {**JUDGES, "R2": {**JUDGES["R2"], "topic_gate": 10.0}}  # a gated judge (common/topic_gate.py) says so
+    assert "(e, family bert, topic gate 10), trained" in "\n".join(judges_section(results, gated, []))
 
 
 @pytest.mark.stage
