@@ -78,6 +78,13 @@ def register(kind: str):
 # modules that implement the seam depend on it, not the other way round.
 JUDGE_RUNS = {"features": "common.feature_judge:FeatureScorer", "ensemble": "common.ensemble:EnsembleScorer",
               "model": "common.rewards:RewardScorer"}  # "model": lora_4bit, encoder and every other backbone
+# What may wrap any judge run once built, as its run says (`wrap(judge, path, config)`): the topic gate.
+JUDGE_RUN_WRAPPERS = ("common.topic_gate:TopicGated",)
+
+
+def _named(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @register("run")
@@ -87,10 +94,10 @@ def _judge_run(path: str, batch_size: int = 8, packed: bool = True, **_) -> Scor
     from common.config import RewardStageConfig, load_run_config
     config = load_run_config(path)
     backbone = config.judge_backbone if isinstance(config, RewardStageConfig) else None
-    module, _, name = JUDGE_RUNS.get(backbone, JUDGE_RUNS["model"]).partition(":")
-    judge = getattr(importlib.import_module(module), name).from_run(path, batch_size=batch_size, packed=packed)
-    from common.topic_gate import TopicGated
-    return TopicGated.wrap(judge, path, required=bool(getattr(config, "topic_gate", 0)))  # the run's topic gate
+    judge = _named(JUDGE_RUNS.get(backbone, JUDGE_RUNS["model"])).from_run(path, batch_size=batch_size, packed=packed)
+    for wrapper in JUDGE_RUN_WRAPPERS:
+        judge = _named(wrapper).wrap(judge, path, config)
+    return judge
 
 
 # Modules whose scorers register themselves when imported: imported on the first load_scorer.

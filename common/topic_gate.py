@@ -83,12 +83,12 @@ class TopicGated:
         write_json(Path(run_dir) / ARTIFACT, {**self.fitted, "topic": self.topic.to_json()})
 
     @classmethod
-    def wrap(cls, judge, run_dir: str | Path, required: bool = False):
-        """`judge` gated as its run says (topic_gate.json), or `judge` itself in a run without a gate. `required`:
-        the run's config asks for a gate, so a missing file is an error, never a judge scored without it."""
+    def wrap(cls, judge, run_dir: str | Path, config=None):
+        """`judge` gated as its run says (topic_gate.json), or `judge` itself in a run without a gate. A run whose
+        `config` asks for a gate and lacks the file is an error, never a judge scored without it."""
         path = Path(run_dir) / ARTIFACT
         if not path.is_file():
-            if required:
+            if getattr(config, "topic_gate", 0):
                 raise RunError(f"judge {Path(run_dir).name}: its config has topic_gate but {ARTIFACT} is missing "
                                f"(not a finished run of stage 03, or a damaged one)")
             return judge

@@ -4,6 +4,7 @@ real reply to another post's, the saved gate rebuilt by `run:PATH` and named by 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def test_saved_gate_rebuilds_the_same_scores(tmp_path):
     gate.save(tmp_path)
     assert TopicGated.wrap(judge, tmp_path / "elsewhere") is judge  # a run without a gate: the judge itself
     with pytest.raises(RunError, match="topic_gate.*missing"):  # one whose config asks for a gate: refused
-        TopicGated.wrap(judge, tmp_path / "elsewhere", required=True)
+        TopicGated.wrap(judge, tmp_path / "elsewhere", SimpleNamespace(topic_gate=2.0))
     again = TopicGated.wrap(judge, tmp_path)
     prompts, replies = [r["prompt"] for r in rows], [r["chosen"] for r in rows]
     assert again.score(prompts, replies) == pytest.approx(gate.score(prompts, replies))
