@@ -38,12 +38,18 @@ class EncoderTopic:
     """The cosine of a reply and its post as a frozen sentence encoder sees them (mean-pooled last hidden states,
     the first `max_length` tokens of each), in place of `Topic`'s tf-idf."""
 
-    def __init__(self, encoder: str, max_length: int = 256, batch_size: int = 64):
+    def __init__(self, encoder: str, max_length: int = 256, batch_size: int = 64, weights_sha256: str | None = None):
+        """`weights_sha256`: what the run recorded; an encoder whose weights differ now is refused (the gate would
+        score with another model than the one its floor was fitted on)."""
         from transformers import AutoModel, AutoTokenizer
 
-        from common.model import local_device, resolve_model_path
+        from common.model import _weights_digest, local_device, resolve_model_path
         path = resolve_model_path(encoder)
         self.encoder, self.max_length, self.batch_size, self.device = encoder, max_length, batch_size, local_device()
+        self.weights_sha256 = _weights_digest(path)
+        if weights_sha256 and weights_sha256 != self.weights_sha256:
+            raise RunError(f"topic gate encoder {encoder}: its weights changed since the judge run was made (sha256 "
+                           f"{self.weights_sha256[:12]}, recorded {weights_sha256[:12]})")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path).to(self.device).eval()
         self._posts: dict[str, torch.Tensor] = {}  # a post's embedding, kept: GRPO scores a group of replies a post
@@ -57,22 +63,25 @@ class EncoderTopic:
             hidden = self.model(**batch).last_hidden_state.float()
             mask = batch["attention_mask"].unsqueeze(-1).float()
             out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1), dim=-1).cpu())
-        return torch.cat(out) if out else torch.zeros(0, 1)
+        return torch.cat(out)
 
     def cosines(self, premises: list[str], replies: list[str]) -> np.ndarray:
         if not replies:
             return np.zeros(0)
         new = [p for p in dict.fromkeys(premises) if p not in self._posts]
-        self._posts.update(zip(new, self._embed(new)))
+        if new:
+            self._posts.update(zip(new, self._embed(new)))
         posts = torch.stack([self._posts[p] for p in premises])
         return (posts * self._embed(list(replies))).sum(-1).numpy().astype(float)
 
     def to_json(self) -> dict:
-        return {"encoder": self.encoder, "max_length": self.max_length}
+        return {"encoder": self.encoder, "max_length": self.max_length, "weights_sha256": self.weights_sha256}
 
 
 def topic_from_json(saved: dict):
-    return EncoderTopic(saved["encoder"], saved["max_length"]) if "encoder" in saved else Topic.from_json(saved)
+    if "encoder" in saved:
+        return EncoderTopic(saved["encoder"], saved["max_length"], weights_sha256=saved["weights_sha256"])
+    return Topic.from_json(saved)
 
 
 class TopicGated:

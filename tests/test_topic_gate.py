@@ -187,6 +187,11 @@ def test_encoder_gate_scores_meaning_and_rebuilds(tmp_path):
     again = TopicGated.wrap(judge, tmp_path)
     assert isinstance(again.topic, EncoderTopic)
     assert again.score(prompts, [p["rejected"] for p in pairs]) == pytest.approx(other, abs=1e-5)
+    saved = json.loads((tmp_path / ARTIFACT).read_text())  # another encoder's weights under the same name: refused
+    saved["topic"]["weights_sha256"] = "0" * 64
+    (tmp_path / ARTIFACT).write_text(json.dumps(saved))
+    with pytest.raises(RunError, match="weights changed"):
+        TopicGated.wrap(judge, tmp_path)
 
 
 @pytest.mark.parametrize("fields", [{"topic_gate_encoder": MINILM},
