@@ -168,9 +168,11 @@ def test_the_framing_is_chosen_on_dev_before_anything_trains(tmp_path):
     chosen = runs / "Pairs_framing_debate"
     assert f"framing (chosen on dev): {chosen}" in out
     lines = calls.read_text().splitlines()
-    pairs = [line for line in lines if line.startswith("01_build_pairs.py")]
-    assert len(pairs) == 2 and "--system_prompt You reply to r/ChangeMyView posts." in pairs[1]
-    assert "--system_prompt" not in pairs[0]
+    # the framings' pairs runs start at once: the calls file has them in either order
+    pairs = {line.split("--run_name ")[1].split()[0]: line for line in lines if line.startswith("01_build_pairs.py")}
+    assert sorted(pairs) == ["Pairs_framing_debate", "Pairs_framing_none"]
+    assert "--system_prompt You reply to r/ChangeMyView posts." in pairs["Pairs_framing_debate"]
+    assert "--system_prompt" not in pairs["Pairs_framing_none"]
     evals = [line for line in lines if line.startswith("05_eval.py") and "--run_name Framing_" in line]
     assert len(evals) == 2 and all("--split dev" in line for line in evals)
     sft = next(line for line in lines if line.startswith("02_train_sft.py") and "--run_name SFT" in line)
