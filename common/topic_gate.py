@@ -97,6 +97,10 @@ class TopicGated:
         return getattr(self.judge, name)
 
     @property
+    def name(self) -> str:  # spelt out: from Python 3.12 a Protocol's isinstance check skips __getattr__
+        return self.judge.name
+
+    @property
     def backends(self) -> dict:
         return {**self.judge.backends, "topic_gate": True}
 

@@ -3,6 +3,7 @@ replies, the penalty on fixed cosines, a judge that rewards less in common with 
 real reply to another post's, the saved gate rebuilt by `run:PATH` and named by stage 05, and the settings refused."""
 from __future__ import annotations
 
+import inspect
 import json
 from types import SimpleNamespace
 
@@ -56,6 +57,10 @@ def test_gate_floor_weight_and_penalty():
         list(np.array(judge.score(prompts[:4], replies[:4])) - penalty[:4]))
     # Everything but the score is the judge's; the backends say a gate is on.
     assert isinstance(gate, Scorer) and gate.name == "judge" and gate.backends["topic_gate"] is True
+    # From Python 3.12 that isinstance looks the Protocol's members up statically, past __getattr__: each
+    # must be the gate's own (a gated judge run was refused as a scorer on Python 3.12)
+    for member in ("name", "score", "backends"):
+        inspect.getattr_static(gate, member)
 
 
 def test_gate_makes_the_judge_prefer_the_real_reply_to_another_posts():
