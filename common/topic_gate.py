@@ -90,15 +90,12 @@ class TopicGated:
     def __init__(self, judge, topic: Topic, floor: float, weight: float, fitted: dict | None = None):
         self.judge, self.topic, self.floor, self.weight = judge, topic, float(floor), float(weight)
         self.fitted = fitted or {"floor": self.floor, "weight": self.weight}  # what the run says of the gate
+        self.name = judge.name  # its own: from Python 3.12 a Protocol's isinstance check skips __getattr__
 
-    def __getattr__(self, name):  # name, scoring, visible_reply, model...: the judge's own
+    def __getattr__(self, name):  # scoring, visible_reply, model...: the judge's own
         if name in ("judge", "fitted"):  # not set yet (copy, pickle): no recursion through self.judge
             raise AttributeError(name)
         return getattr(self.judge, name)
-
-    @property
-    def name(self) -> str:  # spelt out: from Python 3.12 a Protocol's isinstance check skips __getattr__
-        return self.judge.name
 
     @property
     def backends(self) -> dict:

@@ -61,6 +61,8 @@ def test_gate_floor_weight_and_penalty():
     # must be the gate's own (a gated judge run was refused as a scorer on Python 3.12)
     for member in ("name", "score", "backends"):
         inspect.getattr_static(gate, member)
+    gate.name = "judge"  # as the reward terms name their judge
+    assert gate.name == "judge"
 
 
 def test_gate_makes_the_judge_prefer_the_real_reply_to_another_posts():
@@ -127,6 +129,10 @@ def test_stage_03_gates_a_judge_and_run_path_rebuilds_it(tmp_path, encoder):
     assert judge["topic_gate"] == 4 and judge["role"] == "training"
     assert "Topic gate 4" in (eval_run / "report.md").read_text()  # the audit's text, in 05's "The judge"
     assert json.loads((run / "judge_audit.json").read_text())["topic_gate"]["weight"] == pytest.approx(gate["weight"])
+    if encoder is None:  # practice against the gated judge (one GRPO step from the base; once is enough)
+        grpo = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--pairs_run",
+                                    pairs, "--reward_run", run, "--max_steps", 1, "--runs_dir", runs))
+        assert json.loads((grpo / "manifest.json").read_text())["reward_terms"]["judge"]["topic_gate"] is True
 
 
 @pytest.mark.parametrize("fields, field", [
