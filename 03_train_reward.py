@@ -174,8 +174,11 @@ def main(config: RewardStageConfig, overrides: dict) -> None:
     prompts = [r["prompt"] for r in dev_rows]
     chosen = scorer.score(prompts, [r["chosen"] for r in dev_rows])
     rejected = scorer.score(prompts, [r["rejected"] for r in dev_rows])
-    write_jsonl(run.dir / f"{config.audit_split}_scores.jsonl", [
-        {"id": r["id"], "chosen_score": c, "rejected_score": j} for r, c, j in zip(dev_rows, chosen, rejected)])
+    scores = [{"id": r["id"], "chosen_score": c, "rejected_score": j} for r, c, j in zip(dev_rows, chosen, rejected)]
+    if isinstance(scorer, TopicGated):  # and the same judge's own scores: what the gate alone changed
+        ungated_accuracy = add_ungated_scores(scorer, prompts, dev_rows, scores)
+        metrics["topic_gate"]["accuracy_without_gate"] = ungated_accuracy
+    write_jsonl(run.dir / f"{config.audit_split}_scores.jsonl", scores)
     dev = preference_metrics(dev_rows, chosen, rejected)
     log.info("%s: %s", config.audit_split, dev)
     metrics.update(dev, metrics_split=config.audit_split, judge_objective=config.judge_objective,
@@ -228,6 +231,18 @@ def with_topic_gate(config: RewardStageConfig, run, scorer, train_rows: list[dic
     metrics["topic_gate"] = {k: v for k, v in gated.fitted.items() if k not in ("topic_gate", "topic_gate_quantile")}
     log.info("topic gate: %s", metrics["topic_gate"])
     return gated
+
+
+def add_ungated_scores(gated: TopicGated, prompts: list, rows: list[dict], scores: list[dict]) -> float:
+    """Each audit pair's scores without the gate (`chosen_ungated`, `rejected_ungated`: the gated score plus its
+    penalty), so that the gate's cost is read on the same trained judge, free of a second training's noise;
+    returns that judge's accuracy without the gate."""
+    for side in ("chosen", "rejected"):
+        penalty = gated.penalty(prompts, [r[side] for r in rows])
+        for row, p in zip(scores, penalty):
+            row[f"{side}_ungated"] = row[f"{side}_score"] + float(p)
+    return preference_metrics(rows, [s["chosen_ungated"] for s in scores],
+                              [s["rejected_ungated"] for s in scores])["accuracy"]
 
 
 def gibberish_splits(config: RewardStageConfig, extra: dict[str, list[dict]], dev_rows: list[dict]) -> dict:

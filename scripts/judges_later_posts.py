@@ -25,7 +25,10 @@ dev_later, best first: the held-out judges of other families are trained in thos
 the judges' per-pair dev_later scores (<run>/dev_later_scores.jsonl), with paired bootstrap intervals:
 each single judge without a `+` in its name (a family or recipe, the feature judge among them) against
 the reference (`minilm_pairwise`, else the first judge); `NAME+LEVER` (corruptions, hard negatives, ...)
-against NAME; a stage-03 ensemble against the best of its members. Test is shown, never chosen on.
+against NAME; a stage-03 ensemble against the best of its members. A topic gate is read on the same trained
+judge without it (stage 03 writes both scores), since two trainings of one recipe differ by themselves (on a
+GPU by 10 points of dev_later); its plain twin NAME, trained apart, gets a row against that same ungated judge:
+what a second training alone moves. Test is shown, never chosen on.
 `add_lever` adds one judge trained after the summary (the judge's second round on a policy's replies,
 scripts/persuasion_real_weights.sh) and its row against the judge it hardens; the training judge stays
 the one the summary chose.
@@ -139,24 +142,34 @@ def families(items: list[str], not_of: str) -> list[tuple[str, Path, str]]:
     return list(out.values())
 
 
-def correct_on(run: Path, split: str = "dev_later") -> dict[str, float]:
-    """{pair id: 1 right, 0.5 tie, 0 wrong} from the run's per-pair scores of its audit split."""
+def correct_on(run: Path, split: str = "dev_later", ungated: bool = False) -> dict[str, float]:
+    """{pair id: 1 right, 0.5 tie, 0 wrong} from the run's per-pair scores of its audit split; `ungated`: a gated
+    judge's own scores without its topic gate (stage 03 writes both; {} where there are none)."""
     path = run / f"{split}_scores.jsonl"
     if not path.is_file():
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["id"]: float(w) for r, w in zip(rows, wins([r["chosen_score"] for r in rows],
-                                                          [r["rejected_score"] for r in rows]))}
+    chosen, rejected = ("chosen_ungated", "rejected_ungated") if ungated else ("chosen_score", "rejected_score")
+    if any(chosen not in r for r in rows):
+        return {}
+    return {r["id"]: float(w) for r, w in zip(rows, wins([r[chosen] for r in rows], [r[rejected] for r in rows]))}
+
+
+UNGATED = " without its gate"  # a lever row's `against`: the same trained judge, read without its topic gate
 
 
 def lever_row(lever: str, name: str, against: str, runs: dict[str, Path], rows: dict) -> dict:
-    """`name` against `against` on the dev_later pairs both judged: accuracies and the paired gain, 95% intervals."""
-    a, b = correct_on(runs[name]), correct_on(runs[against])
+    """`name` against `against` on the dev_later pairs both judged: accuracies and the paired gain, 95% intervals.
+    `against` may be `NAME without its gate` (UNGATED): that judge's own scores without its topic gate."""
+    a = correct_on(runs[name])
+    plain = against.removesuffix(UNGATED)
+    b = correct_on(runs[plain], ungated=against != plain)
     ids = sorted(set(a) & set(b))
     gain = np.array([a[i] - b[i] for i in ids])
     return {"lever": lever, "judge": name, "against": against, "n_pairs": len(ids),
             "accuracy": rows[name]["dev_later"]["accuracy"], "accuracy_ci95": rows[name]["dev_later"]["accuracy_ci95"],
-            "against_accuracy": rows[against]["dev_later"]["accuracy"],
+            "against_accuracy": rows[against]["dev_later"]["accuracy"] if against == plain
+            else float(np.mean(list(b.values()))),
             "gain": float(gain.mean()) if ids else None, "gain_ci95": bootstrap_ci(gain) if ids else None,
             "test_accuracy": rows[name]["test"]["accuracy"], "test_accuracy_ci95": rows[name]["test"]["accuracy_ci95"]}
 
@@ -171,7 +184,11 @@ def levers(items: list[str], rows: dict) -> list[dict]:
            for n in sorted(base) if n != reference]
     for name in single:
         plain, _, lever = name.rpartition("+")
-        if plain in runs:
+        if correct_on(runs[name], ungated=True):  # a topic gate: read on the same trained judge, without it
+            out.append(lever_row(lever.replace("_", " "), name, name + UNGATED, runs, rows))
+            if plain in runs:  # and its plain twin, trained apart from the same recipe: training's own noise
+                out.append(lever_row("a second training of the same recipe", plain, name + UNGATED, runs, rows))
+        elif plain in runs:
             out.append(lever_row(lever.replace("_", " "), name, plain, runs, rows))
     by_path = {str(run.resolve()): n for n, run in runs.items()}
     for name, run in runs.items():

@@ -121,6 +121,12 @@ def test_stage_03_gates_a_judge_and_run_path_rebuilds_it(tmp_path, encoder):
     dev = load_split(pairs, "dev")[: len(saved)]  # the audit's first max_eval_examples
     assert scorer.score([r["prompt"] for r in dev], [r["chosen"] for r in dev]) == pytest.approx(
         [s["chosen_score"] for s in saved])
+    # ... and the same judge's own scores without the gate, so that the gate's cost is read on one training
+    assert scorer.judge.score([r["prompt"] for r in dev], [r["rejected"] for r in dev]) == pytest.approx(
+        [s["rejected_ungated"] for s in saved])
+    assert gate["accuracy_without_gate"] == pytest.approx(np.mean(
+        [1.0 if s["chosen_ungated"] > s["rejected_ungated"] else 0.5 if s["chosen_ungated"] == s["rejected_ungated"]
+         else 0.0 for s in saved]))
     assert "other_post" in json.loads((run / "judge_audit.json").read_text())["corruption"]["kinds"]
     # Stage 05 scores with the gated judge and says so.
     eval_run = run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs,

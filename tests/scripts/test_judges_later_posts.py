@@ -126,3 +126,30 @@ def test_a_judge_trained_after_the_summary_gets_its_lever_row_and_the_training_j
     assert row["gain"] == pytest.approx(0.25) and row["gain_ci95"][0] > 0
     assert out["judges"]["a"]["default"] and "default" not in out["judges"]["a+hard_negatives"]
     assert "| hard negatives | a+hard_negatives | a | 40 |" in (tmp_path / "judges_later_posts.md").read_text()
+
+
+def test_a_topic_gate_is_read_on_the_same_judge_and_its_twin_shows_trainings_noise(tmp_path):
+    """The gate's row compares the gated judge with its own scores without the gate (no second training in
+    between); the plain twin, trained apart, gets a row against that same ungated judge."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from judges_later_posts import levers
+    n = 40
+    own = [i % 4 != 0 for i in range(n)]  # the gated judge's own ranking, without its gate: 0.75
+    gated = [ok and i not in (1, 2) for i, ok in enumerate(own)]  # the gate costs two pairs: 0.70
+    twin = [i % 2 == 0 for i in range(n)]  # the same recipe trained again: 0.50
+    items = [_audited_judge(tmp_path / "a", twin, 0.5), _audited_judge(tmp_path / "a+topic_gate_10", gated, 0.9)]
+    path = tmp_path / "a+topic_gate_10" / "dev_later_scores.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "chosen_ungated": 1.0 if ok else 0.0, "rejected_ungated": 0.5}) + "\n"
+                            for r, ok in zip(rows, own)))
+    accuracy = {"dev_later": {"accuracy": 0.0, "accuracy_ci95": [0, 1]}, "test": {"accuracy": 0.0, "accuracy_ci95": [0, 1]}}
+    table = {(r["lever"], r["judge"], r["against"]): r for r in levers(items, {"a": accuracy, "a+topic_gate_10": accuracy})}
+    gate = table[("topic gate 10", "a+topic_gate_10", "a+topic_gate_10 without its gate")]
+    assert gate["gain"] == pytest.approx(-2 / n) and gate["against_accuracy"] == pytest.approx(0.75)
+    second = table[("a second training of the same recipe", "a", "a+topic_gate_10 without its gate")]
+    assert second["gain"] == pytest.approx(0.5 - 0.75)
+    assert len(table) == 2  # not the gated judge against its twin: that mixes the gate with a second training
+    # A gated run written before its ungated scores were: read against the twin, as any lever
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [(r["judge"], r["against"]) for r in levers(items, {"a": accuracy, "a+topic_gate_10": accuracy})] == [
+        ("a+topic_gate_10", "a")]
