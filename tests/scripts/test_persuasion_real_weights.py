@@ -16,13 +16,16 @@ pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/READ
 
 def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_model, tmp_path):
     bert = tiny_bert(tmp_path)
-    # One judge candidate of each family (the whole sweep has its own test: tests/stages/test_period_split.py)
+    # One judge candidate of each family (the whole sweep has its own test: tests/stages/test_period_split.py),
+    # each behind a topic gate, so that practice and the eval run against a gated judge whichever is chosen;
     # and two GRPO recipes, the plain one and the anchored, gated one.
+    gate = "--topic_gate 4 --topic_gate_quantile 0.2"
     candidates = tmp_path / "candidates.txt"
-    candidates.write_text(f"features --config configs/tiny/03_train_reward_features.yaml\n"
-                          f"minilm_pointwise --config configs/tiny/03_train_reward_minilm_pointwise.yaml "
-                          f"--judge_model_name_or_path {bert}\n"
-                          f"smollm2_decoder_lr3e-4 --config configs/tiny/03_train_reward_smol.yaml --learning_rate 3e-4\n")
+    candidates.write_text(f"features+topic_gate_4 --config configs/tiny/03_train_reward_features.yaml {gate}\n"
+                          f"minilm_pointwise+topic_gate_4 --config configs/tiny/03_train_reward_minilm_pointwise.yaml "
+                          f"--judge_model_name_or_path {bert} {gate}\n"
+                          f"smollm2_decoder_lr3e-4+topic_gate_4 --config configs/tiny/03_train_reward_smol.yaml "
+                          f"--learning_rate 3e-4 {gate}\n")
     framings = tmp_path / "framings.txt"  # the framing chosen on dev first (step 0)
     framings.write_text("none\ndebate You reply to r/ChangeMyView posts: change the poster's view.\n")
     env = {**os.environ, "FRAMINGS": str(framings), "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/smol/01_build_pairs.yaml", "MAX_PREMISES": "6",
@@ -63,6 +66,9 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
             assert ("win_rate_vs_sft" in scored) == (name not in ("base", "sft")), name
     assert set(summary["grpo_recipes"]) == {"lr1e-4", "par_fluency_gate"}
     assert all(c["rewards"] for c in summary["grpo_recipes"].values())
+    for recipe in summary["grpo_recipes"].values():  # practice against the gated judge, as its manifest says
+        terms = json.loads((tmp_path / recipe["run"] / "manifest.json").read_text())["reward_terms"]
+        assert terms.get("judge", terms.get("par", {})).get("topic_gate") is True, terms
     gated = json.loads((tmp_path / summary['grpo_recipes']['par_fluency_gate']['run'] / 'metrics.json').read_text())
     assert {"rewards/par/mean", "rewards/fluency_gate/mean"} <= set(gated["log_history"][0]), gated["log_history"][0]
     assert gated["checkpoint_choice"]["chosen_step"] in [c["step"] for c in gated["checkpoint_choice"]["curve"]]
