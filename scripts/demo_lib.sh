@@ -33,13 +33,16 @@ stage() {
 # stops the script, showing the log's end, when one failed. `wait_for_all --allow_failures` goes on,
 # naming them: a stage its length guard stopped is a finding (STOPPED), any other failure is kept in
 # FAILED, and `finish_chain` (the chain's last step) then ends the chain with status 1, naming them.
-# MAX_JOBS: at most that many of a script's stages at once (the rest wait their turn), so that a chain
-# fits one GPU's memory. RESUME=1 restarts a chain that stopped: a stage whose --run_name already names
-# a finished run (DONE) is not run again, its run is taken as it is; an unfinished one is left as it is
-# and the stage runs again under the next free name (NAME_2, NAME_3, ...).
+# `background NAME --after DEP SCRIPT ARGS...` starts once the background stage DEP has finished, every
+# `@DEP` of ARGS replaced by DEP's run directory, so that it waits for that stage alone, not for all; it
+# fails, saying why, when DEP did. MAX_JOBS: at most that many of a script's stages at once (the rest
+# wait their turn), so that a chain fits one GPU's memory. RESUME=1 restarts a chain that stopped: a
+# stage whose --run_name already names a finished run (DONE) is not run again, its run is taken as it is;
+# an unfinished one is left as it is and the stage runs again under the next free name (NAME_2, ...).
 background() {
-  local name=$1; shift
-  rm -f "$LOGS/$name.dir"
+  local name=$1 after=""; shift
+  [[ ${1:-} == --after ]] && { after=$2; shift 2; }
+  rm -f "$LOGS/$name.dir" "$LOGS/$name.finished"
   local args=("$@") i run next n
   for (( i = 0; i < ${#args[@]} - 1; i++ )); do
     [[ ${args[i]} == --run_name && ${RESUME:-0} == 1 ]] || continue
@@ -47,6 +50,7 @@ background() {
     if [[ -f "$RUNS_DIR/$run/DONE" ]]; then
       echo "stage $name: $RUNS_DIR/$run is finished, taken as it is (RESUME=1)" >&2
       echo "$RUNS_DIR/$run" > "$LOGS/$name.dir"
+      touch "$LOGS/$name.finished"
       return
     fi
     next=$run n=1
@@ -54,10 +58,21 @@ background() {
     args[i + 1]=$next
   done
   while (( $(jobs -rp | wc -l) >= ${MAX_JOBS:-1000} )); do wait -n || true; done
-  ( local t0 rc=0; t0=$(date +%s)
-    "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 || rc=$?
+  ( local t0 rc=0
+    if [[ -n $after ]]; then
+      until [[ -e "$LOGS/$after.finished" ]]; do sleep 1; done
+      if [[ -s "$LOGS/$after.dir" ]]; then
+        for i in "${!args[@]}"; do [[ ${args[i]} == "@$after" ]] && args[i]=$(cat "$LOGS/$after.dir"); done
+      else
+        echo "error: stage $after, whose run this stage reads, did not finish ($LOGS/$after.log)" > "$LOGS/$name.log"
+        rc=1
+      fi
+    fi
+    t0=$(date +%s)
+    (( rc )) || "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 || rc=$?
     (( rc )) || grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir"
-    timeline "$name" "$t0" "$rc" ) &
+    timeline "$name" "$t0" "$rc"
+    touch "$LOGS/$name.finished" ) &
   BACKGROUND+=("$name")
 }
 BACKGROUND=() FAILED=() STOPPED=()

@@ -164,13 +164,11 @@ if [[ ${RAFT:-1} == 1 ]]; then
   background raft_targets 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
     --split train --evaluate_base false --best_of_n "$BEST_OF_N" --best_of_n_scorer "run:$judge" "${fluency[@]}" \
     --max_premises "$MAX_PREMISES" $decoding --run_name RAFT_Targets
+  # its SFT as soon as its targets are written, beside the other practice stages
+  background raft --after raft_targets 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" \
+    --targets_from @raft_targets --run_name RAFT
 fi
 wait_for_all --allow_failures
-if [[ -s "$LOGS/raft_targets.dir" ]]; then
-  background raft 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" \
-    --targets_from "$(cat "$LOGS/raft_targets.dir")" --run_name RAFT
-  wait_for_all --allow_failures
-fi
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done
 (( ${#recipes[@]} )) || { echo "error: no GRPO recipe finished (failed: ${FAILED[*]:-none};" \

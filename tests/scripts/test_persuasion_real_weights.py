@@ -92,7 +92,8 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
 
 FAKE_PY = r'''#!/usr/bin/env bash
 # A stand-in interpreter: every stage "finishes" with a run directory, except those FAIL names (a crash)
-# and those GUARD names (stopped by the length guard); the helper scripts print what the chain reads.
+# and those GUARD names (stopped by the length guard), those SLOW names taking 4 s; the helper scripts print
+# what the chain reads.
 script=$1; shift
 echo "$script $*" >> "${CALLS:-/dev/null}"
 command=${1:-}  # a helper script's subcommand, before the loop below takes the arguments
@@ -107,6 +108,7 @@ esac
 name=${name:-$(basename "$script" .py)_$RANDOM$RANDOM}
 if [[ " $FAIL " == *" $script "* || " $FAIL " == *" $name "* ]]; then echo "Traceback: boom" >&2; exit 1; fi
 if [[ " $GUARD " == *" $name "* ]]; then echo "error: reward-hacking guard: mean reply length" >&2; exit 1; fi
+if [[ " $SLOW " == *" $name "* ]]; then sleep 4; fi
 mkdir -p "$runs/$name" && echo "run_dir: $runs/$name"
 '''
 
@@ -117,7 +119,7 @@ def _chain(tmp_path, **env):
     fake.chmod(0o755)
     proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PY": str(fake), "RUNS_DIR": str(tmp_path / "runs"), "FAIL": "",
-                               "GUARD": "", **env}, timeout=300)
+                               "GUARD": "", "SLOW": "", **env}, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -138,6 +140,21 @@ def test_the_chain_fails_when_a_stage_fails_and_names_it(tmp_path, fail, guard, 
         failed = [g for g in GRPO if g in fail or fail == "04_train_grpo.py"]
         for name in failed:
             assert f"stage grpo_{name[5:]} failed" in out, out[-3000:]
+
+
+def test_raft_trains_once_its_targets_are_written_not_once_all_practice_has(tmp_path):
+    code, out = _chain(tmp_path, SLOW=" ".join(GRPO), CALLS=str(tmp_path / "calls"))
+    assert code == 0, out[-3000:]
+    raft = [line for line in (tmp_path / "calls").read_text().splitlines() if "--run_name RAFT " in line + " "]
+    assert len(raft) == 1 and f"--targets_from {tmp_path / 'runs' / 'RAFT_Targets'} " in raft[0], raft
+    ends = {row[0]: int(row[2]) for row in (line.split("\t") for line in
+            (tmp_path / "runs" / "logs" / "timeline.tsv").read_text().splitlines())}
+    assert ends["raft_targets"] <= ends["raft"] < min(ends[f"grpo_{g[5:]}"] for g in GRPO), ends
+    assert (tmp_path / "runs" / "logs" / "raft.log").read_text().startswith("run_dir: ")
+    # targets that failed: RAFT does not train, and says why; the chain names both
+    code, out = _chain(tmp_path, FAIL="RAFT_Targets")
+    assert code == 1 and "stage raft_targets failed" in out and "stage raft failed" in out, out[-3000:]
+    assert "error: stage raft_targets, whose run this stage reads, did not finish" in out
 
 
 def test_the_judges_second_round_trains_on_the_practised_policys_replies(tmp_path):
