@@ -170,6 +170,9 @@ def generate_all(config: EvalConfig, run: Run, task, tokenizer, adapters: dict, 
             flat, made.speed["best_of_n"] = replies_of(model, tokenizer, prompts, config, config.best_of_n,
                                                        config.best_of_n_temperature)
         made.candidates = in_groups(flat, config.best_of_n)
+        if config.best_of_n_with_greedy:  # the source's greedy reply first: it passes the fluency gate by its bar
+            made.candidates = [[greedy, *group] for greedy, group in zip(made.replies[source], made.candidates)]
+            run.manifest["best_of_n"]["with_greedy"] = True
     if config.rerank_by_rating:  # n sampled SFT reviews a paper, the one nearest the rating model's rating kept
         run.manifest["rerank_by_rating"] = {"n": config.rerank_by_rating, "from": "sft",
                                             "temperature": config.rerank_temperature}
@@ -251,13 +254,15 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
 
 def model_adapters(run) -> dict[str, Path]:
     """sft, then each policy under its stage's name (grpo, dpo, orpo; grpo_from_base for one that started on the
-    base; raft for an SFT run on best-of-n picks, --targets_from; a second of a kind gets a number)."""
+    base; raft for an SFT run on best-of-n picks, --targets_from, raft_greedy where the greedy reply was a
+    candidate; a second of a kind gets a number)."""
     adapters = {}
     if run.config.sft_run:
         adapters["sft"] = Path(run.config.sft_run) / "adapter"
     for i, path in enumerate(run.config.policy_runs):
         recorded = run.inputs[f"policy_runs[{i}]"]
-        name = "raft" if recorded.get("targets_from") else \
+        targets = recorded.get("targets_from")
+        name = ("raft_greedy" if targets.get("with_greedy") else "raft") if targets else \
             recorded["stage"].lower() + ("_from_base" if recorded.get("started_from") == "base" else "")
         name = name if name not in adapters else f"{name}{i + 1}"
         adapters[name] = Path(path) / "adapter"

@@ -700,6 +700,9 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
     best_of_n_scorer: str | None = arg(
         None, "best_of_n: the scorer that picks among the candidates, a load_scorer spec (run:PATH, KIND:ARG, "
         "pkg.mod:fn; common/scorers.py); default the training judge (--reward_run)")
+    best_of_n_with_greedy: bool = arg(
+        False, "best_of_n: the source model's greedy reply (generated anyway) is a candidate too, so that where no "
+        "sample is as fluent as the gate asks the pick is the model's own best guess, not the least bad sample")
     best_of_n_fluency_margin: float = arg(
         0.5, "best_of_n with a fluency model: a candidate may be picked only when its mean token log-probability is "
         "at least the source model's greedy reply's minus this (nats a token; common/best_of_n.py)", ge=0)
@@ -755,6 +758,10 @@ class EvalConfig(RunArgs, ModelArgs, DecodingArgs):
                               "rerank_by_rating")
         if self.best_of_n == 1:
             raise ConfigError("field 'best_of_n' must be 0 (off) or at least 2: one sample has no best", "best_of_n")
+        if self.best_of_n_with_greedy and not (self.best_of_n and (self.sft_run or self.evaluate_base)):
+            raise ConfigError("field 'best_of_n_with_greedy' adds the source model's greedy reply to best_of_n's "
+                              "candidates: it needs --best_of_n, and the model evaluated (--sft_run, or the base)",
+                              "best_of_n_with_greedy")
         if self.best_of_n and not (self.reward_run or self.best_of_n_scorer):
             raise ConfigError("best_of_n keeps the training judge's best reply: it needs --reward_run (or "
                               "best_of_n_scorer)", "best_of_n")

@@ -70,7 +70,8 @@ def describe_decoding(config, manifest: dict) -> str:
         parts.append(f"no repeated {config.no_repeat_ngram_size}-gram")
     best = manifest.get("best_of_n")
     if best:
-        parts.append(f"best_of_n: {best['n']} replies of {best['from']} sampled at temperature {best['temperature']:g}")
+        parts.append(f"best_of_n: {best['n']} replies of {best['from']} sampled at temperature {best['temperature']:g}"
+                     + (" and its greedy reply" if best.get("with_greedy") else ""))
     said = ", ".join(parts)
     if config.replies_from:
         return f"read back from {Path(config.replies_from).name} (nothing generated here), written {said}"

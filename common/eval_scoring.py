@@ -58,7 +58,11 @@ def fluency_scores(config, run, prompts, replies: dict, candidates, human: list[
     if not candidates:
         return log_probs, None
     flat = fluency.score([p for p, c in zip(prompts, candidates) for _ in c], [t for c in candidates for t in c])
-    return log_probs, [flat[i:i + config.best_of_n] for i in range(0, len(flat), config.best_of_n)]
+    groups, start = [], 0
+    for group in candidates:  # n a premise, n + 1 with the greedy reply
+        groups.append(flat[start:start + len(group)])
+        start += len(group)
+    return log_probs, groups
 
 
 def shared_metrics(task, premises: list[dict], replies: dict, speed: dict, log_probs: dict | None) -> dict:

@@ -34,7 +34,10 @@ def best_of_n_targets(eval_run: str | Path, train_rows: list[dict]) -> tuple[lis
     if not rows:
         raise DataError(f"--targets_from {eval_run}: its replies answer none of the train premises")
     none_passed = [not any(p["candidate_passed"]) for p in picked.values() if "candidate_passed" in p]
+    with_greedy = getattr(config, "best_of_n_with_greedy", False)  # an Eval run written before the field: False
+    greedy = sum(p["reply"] == p["candidates"][0] for p in picked.values()) if with_greedy else None
     return rows, {"eval_run": str(eval_run.resolve()), "best_of_n": config.best_of_n,
+                  "with_greedy": with_greedy, "n_picks_of_the_greedy_reply": greedy,
                   "scorer": config.best_of_n_scorer or f"run:{config.reward_run}",
                   "fluency_model": config.fluency_model_name_or_path, "n_posts": len(rows),
                   "n_train_posts_without_a_pick": missing, "n_picks_where_no_candidate_passed": sum(none_passed)}

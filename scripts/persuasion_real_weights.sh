@@ -5,7 +5,8 @@
 #      dev_later is the training judge (`best` there); its recipe then trains the held-out judges: a 2-fold cross-fit
 #      on the test posts (with dev and dev_later), and one on the dev posts
 #   -> the decoding chosen on the dev premises (base and SFT, the training judge; DECODINGS below)
-#   -> practice: GRPO recipes from SFT (GRPO_RECIPES below) and one from the base, DPO, ORPO and RAFT
+#   -> practice: GRPO recipes from SFT (GRPO_RECIPES below) and one from the base, DPO, ORPO and RAFT (and
+#      RAFT_GREEDY=1's raft_greedy)
 #   -> 05 on every test premise: base, SFT, best_of_n, each GRPO recipe (the one whose own reward rose
 #      most first, as `grpo`), grpo_from_base, DPO, ORPO, RAFT, under the training judge and the held-out ones
 #   -> the summary (scripts/persuasion_real_weights.py): SUMMARY_DIR/persuasion_real_weights.json and
@@ -159,15 +160,19 @@ background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "
 # RAFT, the cheap alternative (common/raft.py): SFT's best of BEST_OF_N samples on MAX_PREMISES train premises,
 # picked by the training judge among those that pass the fluency gate, then SFT on the picks. RAFT=0 skips it.
 fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
-if [[ ${RAFT:-1} == 1 ]]; then
+# RAFT_GREEDY=1 adds raft_greedy: SFT's greedy reply is a candidate too (best_of_n_with_greedy), so that a pick
+# is never a sample less fluent than the gate asks (most picks of the third run were: no sample passed).
+raft=(); [[ ${RAFT:-1} == 1 ]] && raft+=(raft); [[ ${RAFT:-1} == 1 && ${RAFT_GREEDY:-0} == 1 ]] && raft+=(raft_greedy)
+for name in "${raft[@]}"; do
+  greedy=(); run=RAFT; [[ $name == raft_greedy ]] && greedy=(--best_of_n_with_greedy true) run=RAFT_Greedy
   # shellcheck disable=SC2086
-  background raft_targets 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
+  background "${name}_targets" 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
     --split train --evaluate_base false --best_of_n "$BEST_OF_N" --best_of_n_scorer "run:$judge" "${fluency[@]}" \
-    --max_premises "$MAX_PREMISES" $decoding --run_name RAFT_Targets
+    "${greedy[@]}" --max_premises "$MAX_PREMISES" $decoding --run_name "${run}_Targets"
   # its SFT as soon as its targets are written, beside the other practice stages
-  background raft --after raft_targets 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" \
-    --targets_from @raft_targets --run_name RAFT
-fi
+  background "$name" --after "${name}_targets" 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" \
+    --pairs_run "$pairs" --targets_from "@${name}_targets" --run_name "$run"
+done
 wait_for_all --allow_failures
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done
@@ -176,7 +181,7 @@ recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
 rising=$("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
 mapfile -t grpo <<<"$rising"
 policies=("${grpo[@]}")
-for name in grpo_from_base dpo orpo raft; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
+for name in grpo_from_base dpo orpo raft raft_greedy; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
 
 # 3b. The judge's second round (HARD_NEGATIVES=1): the GRPO policy whose reward rose most answers MAX_PREMISES
 #     train premises beside the eval below (the eval is what a chain short of time must not lose); its replies

@@ -13,7 +13,8 @@
 #      GPU; DECODING: the decoding chosen on dev by the sweep of 2026-12-04, docs/results.md; HARD_NEGATIVES:
 #      the training judge's second round on the practised policy's replies, a row of the levers table;
 #      FRAMINGS: the system prompts chosen among on dev before anything trains, configs/qwen-gpu/framings.txt,
-#      FRAMINGS= for the pairs config's own)
+#      FRAMINGS= for the pairs config's own; RAFT_GREEDY: RAFT with SFT's greedy reply among its candidates
+#      beside the plain one, since most of the third run's picks had no candidate that passed the fluency gate)
 #   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
 #      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
 # RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
@@ -28,7 +29,7 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
   GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
-  HARD_NEGATIVES=${HARD_NEGATIVES:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt} MAX_JOBS=${MAX_JOBS:-8}  # stages at once: fifteen judge candidates beside SFT ran one H200 out of memory
+  HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt} MAX_JOBS=${MAX_JOBS:-8}  # stages at once: fifteen judge candidates beside SFT ran one H200 out of memory
 t0=$(date +%s)
 # MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 24 fewer pieces to carry)
 declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct

@@ -37,3 +37,29 @@ def test_sft_trains_on_the_gated_best_of_n_picks_of_the_train_premises(pairs_run
     proc = run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", pairs_run,
                      "--targets_from", sft, *common, check=False)
     assert "targets_from" in error_line(proc)
+
+
+@pytest.mark.stage
+def test_best_of_n_with_the_greedy_reply_always_has_a_fluent_candidate(pairs_run, tiny_model, tmp_path):
+    common = ["--runs_dir", tmp_path, "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run]
+    picks = run_dir_of(run_stage("05_eval.py", *common, "--split", "train", "--best_of_n", "2", "--best_of_n_scorer",
+                                 "tests.test_scorers:words", "--fluency_model_name_or_path", tiny_model,
+                                 "--best_of_n_fluency_margin", "0.0", "--best_of_n_with_greedy", "true",
+                                 "--max_premises", "4"))
+    for _, row in [(None, json.loads(line)) for line in (picks / "replies.jsonl").read_text().splitlines()]:
+        best = row["best_of_n"]
+        assert len(best["candidates"]) == 3 and best["candidates"][0] == row["base"]["reply"]
+        assert best["candidate_passed"][0] is True  # the bar is its own log-prob: a pick never falls back
+        ok = [c for c, passed in zip(best["candidates"], best["candidate_passed"]) if passed]
+        assert best["reply"] == max(ok, key=lambda c: len(c.split()))
+    assert json.loads((picks / "manifest.json").read_text())["best_of_n"]["with_greedy"] is True
+    assert "and its greedy reply" in (picks / "report.md").read_text()
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run",
+                               pairs_run, "--targets_from", picks, "--runs_dir", tmp_path))
+    targets = json.loads((sft / "manifest.json").read_text())["targets_from"]
+    rows = [json.loads(line)["best_of_n"] for line in (picks / "replies.jsonl").read_text().splitlines()]
+    assert targets["with_greedy"] is True
+    assert targets["n_picks_of_the_greedy_reply"] == sum(r["reply"] == r["candidates"][0] for r in rows)
+    # without best_of_n (or without a model whose greedy reply it is): one error line
+    proc = run_stage("05_eval.py", *common, "--best_of_n_with_greedy", "true", check=False)
+    assert "best_of_n_with_greedy" in error_line(proc)

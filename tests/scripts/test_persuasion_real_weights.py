@@ -31,7 +31,8 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     env = {**os.environ, "FRAMINGS": str(framings), "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/smol/01_build_pairs.yaml", "MAX_PREMISES": "6",
            "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary"), "MINILM": str(bert),
            "PY": sys.executable, "BEST_OF_N": "2", "FLUENCY_MODEL": str(tiny_model), "BUILTIN": "0",
-           "CANDIDATES_FILE": str(candidates), "ENSEMBLE_SIZES": "", "GRPO_ONLY": "lr1e-4 par_fluency_gate"}
+           "CANDIDATES_FILE": str(candidates), "ENSEMBLE_SIZES": "", "GRPO_ONLY": "lr1e-4 par_fluency_gate",
+           "RAFT_GREEDY": "1"}
     with open(tmp_path / "chain.log", "w") as log:  # the chain's output to a file, as sbatch --output has it
         proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT, text=True)
@@ -47,7 +48,8 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     chosen_pairs = framing["framings"][framing["chosen"]]["pairs_run"]
     assert f"framing (chosen on dev): {chosen_pairs}" in text
     models = list(summary["models"])
-    assert models[:3] == ["base", "sft", "grpo"] and {"grpo_from_base", "dpo", "orpo", "raft", "best_of_n"} <= set(models)
+    assert models[:3] == ["base", "sft", "grpo"]
+    assert {"grpo_from_base", "dpo", "orpo", "raft", "raft_greedy", "best_of_n"} <= set(models), models
     judges = summary["judges"]
     training = next(j for j in judges.values() if j["role"] == "training")
     held_out = [j for j in judges.values() if j["role"] == "held_out"]
@@ -151,6 +153,15 @@ def test_raft_trains_once_its_targets_are_written_not_once_all_practice_has(tmp_
             (tmp_path / "runs" / "logs" / "timeline.tsv").read_text().splitlines())}
     assert ends["raft_targets"] <= ends["raft"] < min(ends[f"grpo_{g[5:]}"] for g in GRPO), ends
     assert (tmp_path / "runs" / "logs" / "raft.log").read_text().startswith("run_dir: ")
+    # RAFT_GREEDY=1: a second RAFT whose candidates include SFT's greedy reply, evaluated beside the first
+    code, out = _chain(tmp_path, RAFT_GREEDY="1", CALLS=str(tmp_path / "calls_greedy"))
+    assert code == 0, out[-3000:]
+    calls = (tmp_path / "calls_greedy").read_text().splitlines()
+    targets = [line for line in calls if "--run_name RAFT_Greedy_Targets" in line]
+    assert len(targets) == 1 and "--best_of_n_with_greedy true" in targets[0], calls
+    assert not any("--best_of_n_with_greedy" in line for line in calls if "--run_name RAFT_Targets" in line)
+    evaluated = next(line for line in calls if "--policy_runs" in line and "--split train" not in line)
+    assert f"{tmp_path / 'runs' / 'RAFT'} " in evaluated and f"{tmp_path / 'runs' / 'RAFT_Greedy'}" in evaluated
     # targets that failed: RAFT does not train, and says why; the chain names both
     code, out = _chain(tmp_path, FAIL="RAFT_Targets")
     assert code == 1 and "stage raft_targets failed" in out and "stage raft failed" in out, out[-3000:]
