@@ -45,7 +45,7 @@ from common.ensemble import EnsembleScorer, check_members
 from common.feature_judge import FeatureScorer
 from common.hard_negatives import hard_negative_pairs, parse
 from common.judges import write_train_posts
-from common.metrics import preference_metrics
+from common.metrics import preference_metrics, wins
 from common.model import fingerprint
 from common.rewards import (
     PadRight,
@@ -241,8 +241,7 @@ def add_ungated_scores(gated: TopicGated, prompts: list, rows: list[dict], score
         penalty = gated.penalty(prompts, [r[side] for r in rows])
         for row, p in zip(scores, penalty):
             row[f"{side}_ungated"] = row[f"{side}_score"] + float(p)
-    return preference_metrics(rows, [s["chosen_ungated"] for s in scores],
-                              [s["rejected_ungated"] for s in scores])["accuracy"]
+    return float(wins([s["chosen_ungated"] for s in scores], [s["rejected_ungated"] for s in scores]).mean())
 
 
 def gibberish_splits(config: RewardStageConfig, extra: dict[str, list[dict]], dev_rows: list[dict]) -> dict:

@@ -161,7 +161,7 @@ def _disable_cpu_inference_repack(model) -> None:
 DIGEST_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "weights_sha256.json"
 
 
-def _weights_digest(name_or_path: str) -> str:
+def weights_digest(name_or_path: str) -> str:
     """A digest of the contents of every weight file (each shard of a sharded model). Two models of
     the same shapes (a base and an instruct release) have the same names, shapes and offsets: only
     the weights tell them apart. A file is read once; DIGEST_CACHE keeps its digest."""
@@ -244,7 +244,7 @@ def fingerprint(args: ModelArgs, kind: str = CAUSAL_LM) -> dict:
     try:
         path = resolve_model_path(args.model_name_or_path)
         config = json.loads(Path(cached_file(path, "config.json")).read_text())
-        weights = _weights_digest(path)
+        weights = weights_digest(path)
         tokenizer = _tokenizer_digest(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"field 'model_name_or_path': no usable model at {args.model_name_or_path!r} (a local "

@@ -43,10 +43,10 @@ class EncoderTopic:
         score with another model than the one its floor was fitted on)."""
         from transformers import AutoModel, AutoTokenizer
 
-        from common.model import _weights_digest, local_device, resolve_model_path
+        from common.model import local_device, resolve_model_path, weights_digest
         path = resolve_model_path(encoder)
         self.encoder, self.max_length, self.batch_size, self.device = encoder, max_length, batch_size, local_device()
-        self.weights_sha256 = _weights_digest(path)
+        self.weights_sha256 = weights_digest(path)
         if weights_sha256 and weights_sha256 != self.weights_sha256:
             raise RunError(f"topic gate encoder {encoder}: its weights changed since the judge run was made (sha256 "
                            f"{self.weights_sha256[:12]}, recorded {weights_sha256[:12]})")
