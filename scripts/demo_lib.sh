@@ -41,6 +41,7 @@ stage() {
 # an unfinished one is left as it is and the stage runs again under the next free name (NAME_2, ...).
 background() {
   local name=$1 after=""; shift
+  ARGS_OF[$name]=$(printf '%q ' "$@")  # to run it again (wait_for_all, after running out of GPU memory)
   [[ ${1:-} == --after ]] && { after=$2; shift 2; }
   rm -f "$LOGS/$name.dir" "$LOGS/$name.finished"
   local args=("$@") i run next n
@@ -76,15 +77,26 @@ background() {
   BACKGROUND+=("$name")
 }
 BACKGROUND=() FAILED=() STOPPED=()
+declare -A ARGS_OF=() RETRIED=()
 
+# A stage that ran out of GPU memory beside others (a card smaller than the chain's MAX_JOBS was sized for)
+# runs again once, alone, under the next free run name, and so does a stage that waited on it (--after);
+# the second failure is a failure.
 wait_for_all() {
   wait
-  local name failed=0
-  for name in "${BACKGROUND[@]}"; do
+  local name dep failed=0 retry=() ran=("${BACKGROUND[@]}")
+  BACKGROUND=()
+  for name in "${ran[@]}"; do
     [[ -s "$LOGS/$name.dir" ]] && continue
     if grep -q '^error: reward-hacking guard' "$LOGS/$name.log" 2>/dev/null; then
       echo "stage $name was stopped by its length guard (a finding, not a failure): $LOGS/$name.log" >&2
       STOPPED+=("$name")
+      continue
+    fi
+    dep=$(sed -n 's/^error: stage \([^ ,]*\), whose run this stage reads, did not finish.*/\1/p' "$LOGS/$name.log" 2>/dev/null)
+    if (( ${#ran[@]} > 1 )) && [[ -z ${RETRIED[$name]:-} ]] && { grep -q 'CUDA out of memory' "$LOGS/$name.log" \
+         2>/dev/null || [[ -n $dep && " ${retry[*]} " == *" $dep "* ]]; }; then
+      retry+=("$name")
       continue
     fi
     echo "stage $name failed; the end of $LOGS/$name.log:" >&2
@@ -92,8 +104,13 @@ wait_for_all() {
     FAILED+=("$name")
     failed=1
   done
-  BACKGROUND=()
   [[ $failed == 0 || ${1:-} == --allow_failures ]] || { echo "error: stage(s) failed: ${FAILED[*]}" >&2; exit 1; }
+  (( ${#retry[@]} )) || return 0
+  echo "stage(s) ${retry[*]} ran out of GPU memory beside other stages (or waited on one that did): each runs" \
+    "again, alone" >&2
+  local MAX_JOBS=1 RESUME=1  # RESUME: the unfinished run is kept, the stage writes the next free name
+  for name in "${retry[@]}"; do RETRIED[$name]=1; eval "background $name ${ARGS_OF[$name]}"; done
+  wait_for_all "$@"
 }
 
 # `finish_chain WHAT [DETAILS]`: the chain's closing line. Status 1, naming every failed stage and its log, when a

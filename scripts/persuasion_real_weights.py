@@ -129,7 +129,8 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
     paths = {Path(v["path"]).name: Path(v["path"]) for k, v in manifest["inputs"].items()
              if k == "reward_run" or k.startswith("judge_runs")}
     models = [n for n in results if isinstance(results[n], dict) and "by_judge" in results[n]]
-    curves = {name: {"run": run.name, **rise(run)} for name, run in _named(grpo_items).items()}
+    curves = {name: {"run": run.name, "stopped_by_length_guard": not (run / "DONE").exists(), **rise(run)}
+              for name, run in _named(grpo_items).items()}
     data = {"eval_run": eval_run.name, "commit": manifest.get("git", {}).get("commit"),
             "n_premises": results[models[0]]["n"], "decoding": manifest.get("decoding"),
             "best_of_n": manifest.get("best_of_n"), "verdict": metrics.get("verdict"),
@@ -153,7 +154,8 @@ def plot_rewards(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, curve in curves.items():
-        label = name + (f" (rise {curve['rise_in_se']:+.1f} se)" if curve["rise_in_se"] is not None else "")
+        label = name + (f" (rise {curve['rise_in_se']:+.1f} se)" if curve["rise_in_se"] is not None else "") \
+            + (" (stopped by its length guard)" if curve.get("stopped_by_length_guard") else "")
         ax.plot(range(1, len(curve["rewards"]) + 1), curve["rewards"], label=label)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("training judge's mean reward on the rollouts")

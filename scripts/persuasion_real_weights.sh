@@ -176,12 +176,18 @@ done
 wait_for_all --allow_failures
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done
-(( ${#recipes[@]} )) || { echo "error: no GRPO recipe finished (failed: ${FAILED[*]:-none};" \
-  "stopped by their length guard: ${STOPPED[*]:-none}): nothing to compare" >&2; exit 1; }
-rising=$("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
-mapfile -t grpo <<<"$rising"
+# no GRPO recipe finished (its length guard stopped each, say): the eval still compares the practice that did
+grpo=()
+if (( ${#recipes[@]} )); then
+  mapfile -t grpo < <("$PY" scripts/persuasion_real_weights.py rising "${recipes[@]}")
+else
+  echo "no GRPO recipe finished (failed: ${FAILED[*]:-none}; stopped by their length guard: ${STOPPED[*]:-none}):" \
+    "the eval compares the other practice" >&2
+fi
 policies=("${grpo[@]}")
 for name in grpo_from_base dpo orpo raft raft_greedy; do [[ -s "$LOGS/$name.dir" ]] && policies+=("$(cat "$LOGS/$name.dir")"); done
+(( ${#policies[@]} )) || { echo "error: no practice stage finished (failed: ${FAILED[*]:-none}; stopped by their" \
+  "length guard: ${STOPPED[*]:-none}): nothing to compare" >&2; exit 1; }
 
 # 3b. The judge's second round (HARD_NEGATIVES=1): the GRPO policy whose reward rose most answers MAX_PREMISES
 #     train premises beside the eval below (the eval is what a chain short of time must not lose); its replies
@@ -189,7 +195,9 @@ for name in grpo_from_base dpo orpo raft raft_greedy; do [[ -s "$LOGS/$name.dir"
 #     --hard_negatives), and the levers table gets its row. An ensemble trains on no such pairs (its members
 #     do): the step says so and is skipped.
 hard=0
-if [[ ${HARD_NEGATIVES:-0} == 1 ]]; then
+if [[ ${HARD_NEGATIVES:-0} == 1 && ${#grpo[@]} == 0 ]]; then
+  echo "hard negatives: no GRPO policy finished to answer the train premises; skipped" >&2
+elif [[ ${HARD_NEGATIVES:-0} == 1 ]]; then
   backbone=$(sed -n 's/^judge_backbone: *//p' "$judge/config.yaml" 2>/dev/null || true)
   if [[ $backbone == ensemble ]]; then
     echo "hard negatives: the training judge ($judge_name, $backbone) trains on no extra pairs; skipped" >&2
@@ -209,7 +217,10 @@ judges=(); for name in "${heldout[@]}"; do judges+=("$(cat "$LOGS/$name.dir")");
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
   --judge_runs "${judges[@]}" "${fluency[@]}" "${crossfit[@]}" \
   --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" --max_premises "$MAX_PREMISES" $decoding)
-"$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${recipes[@]}"
+# the summary's reward curves: those a length guard stopped too, up to where it stopped them
+curves=("${recipes[@]}"); for name in "${STOPPED[@]}"; do
+  run=$(sed -n 's/.* run directory //p' "$LOGS/$name.log" | head -1); [[ -n $run ]] && curves+=("${name#grpo_}=$run"); done
+"$PY" scripts/persuasion_real_weights.py summary "$evalrun" "$SUMMARY_DIR" "${curves[@]}"
 if [[ $hard == 1 ]]; then
   wait_for_all --allow_failures
   if [[ -s "$LOGS/hard_replies.dir" ]]; then

@@ -29,7 +29,12 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
   GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
-  HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt} MAX_JOBS=${MAX_JOBS:-8}  # stages at once: fifteen judge candidates beside SFT ran one H200 out of memory
+  HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt}
+# MAX_JOBS, stages at once, from the GPU's memory: one a 17.5 GiB (8 on an H200, where fifteen judge candidates
+# beside SFT ran out of memory; 4 on an 80 GB H100, where six practice stages did); 8 without nvidia-smi. A stage
+# that runs out of memory beside others still runs again alone (scripts/demo_lib.sh's wait_for_all).
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+export MAX_JOBS=${MAX_JOBS:-$(( ${gpu_mib:-0} >= 17920 ? ${gpu_mib:-0} / 17920 : 8 ))}
 t0=$(date +%s)
 # MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 24 fewer pieces to carry)
 declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct
@@ -63,7 +68,7 @@ for w in "qwen:$evalrun" "smol:$smol"; do
     --models base > "$LOGS/fluency_${w%%:*}.json"
 done
 "$PY" - "$RUNS_DIR/qwen_gpu_chain.json" "$evalrun" "$smol" "$LOGS" "$built" "$chain" "$rc" "$failed" <<'PY'
-import json, sys
+import json, os, sys
 out, evalrun, smol, logs, built, chain, rc, failed = sys.argv[1:]
 def speed(run):  # each model's generate speed, as 05 measured it
     return {m: r["generation"] for m, r in json.load(open(f"{run}/eval.json")).items()
@@ -79,6 +84,7 @@ stages = {part: [{"stage": n, "seconds": int(e) - int(s), "ended_at_s": int(e) -
                  for n, s, e, rc in part_rows] for part, part_rows in rows.items()}
 peak = max((int(x) for x in open(f"{logs}/gpu_memory.txt").read().split() if x.isdigit()), default=None)
 json.dump({"models_built_s": int(built), "chain_s": int(chain), "chain_rc": int(rc), "failed_stages": failed,
+           "max_jobs": int(os.environ["MAX_JOBS"]),
            "peak_gpu_memory_mib": peak, "stages": stages, "eval_run": evalrun,
            "generation_speed": {"qwen": speed(evalrun), "smol": speed(smol)},
            "base_reply_fluency_under_gemma": {w: json.load(open(f"{logs}/fluency_{w}.json"))["models"]["base"]

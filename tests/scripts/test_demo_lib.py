@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -74,3 +75,39 @@ def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
         running += 1 if event == "start" else -1
         most = max(most, running)
     assert most == 2, (tmp_path / "runs" / "events").read_text()
+
+
+def test_a_stage_out_of_gpu_memory_runs_again_alone_with_what_waited_on_it(tmp_path):
+    """A stage that ran out of GPU memory beside others runs once more, alone, under the next free run name; a
+    stage that waited on it (--after) runs again after it; a stage out of memory twice is a failure."""
+    fake = tmp_path / "oom"
+    fake.write_text(r'''#!/usr/bin/env bash
+name=$3; base=${name%_2}
+mkdir -p "$RUNS_DIR/$name"; echo "start $name" >> "$RUNS_DIR/events"; sleep 0.3
+if [[ " $OOM " == *" $base "* && ( ! -e "$RUNS_DIR/oom_$base" || -n $TWICE ) ]]; then
+  touch "$RUNS_DIR/oom_$base"; echo "end $name"  >> "$RUNS_DIR/events"
+  echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"; exit 1
+fi
+echo "end $name" >> "$RUNS_DIR/events"; echo "run_dir: $RUNS_DIR/$name"
+''')
+    fake.chmod(0o755)
+    body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
+            'background a x.py --run_name A\nbackground b --after a y.py --run_name B --from @a\n'
+            'background c z.py --run_name C\nwait_for_all\n'
+            'for n in a b c; do echo "$n: $(cat "$LOGS/$n.dir")"; done; echo "chain ok"')
+    proc = _demo(tmp_path, body, PY=str(fake), OOM="A")
+    runs = tmp_path / "runs"
+    assert proc.returncode == 0 and "chain ok" in proc.stdout, proc.stdout
+    assert "stage(s) a b ran out of GPU memory beside other stages" in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert f"a: {runs / 'A_2'}" in lines and f"c: {runs / 'C'}" in lines, proc.stdout
+    # b never started the first time (a had failed), so it keeps its name, and reads a's second run
+    assert f"b: {runs / 'B'}" in lines and "start B\n" not in (runs / "events").read_text().split("start A_2")[0]
+    events = (runs / "events").read_text().split("\n")
+    second = events.index("start A_2")
+    assert events[second + 1] == "end A_2" and events[second + 2] == "start B", events  # alone, then b
+    # out of memory twice: a failure, named
+    for path in runs.iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    proc = _demo(tmp_path, body, PY=str(fake), OOM="A", TWICE="1")
+    assert proc.returncode == 1 and "error: stage(s) failed: a b" in proc.stdout, proc.stdout

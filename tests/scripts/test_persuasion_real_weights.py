@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, tiny_bert
@@ -109,7 +110,8 @@ case $script in
 esac
 name=${name:-$(basename "$script" .py)_$RANDOM$RANDOM}
 if [[ " $FAIL " == *" $script "* || " $FAIL " == *" $name "* ]]; then echo "Traceback: boom" >&2; exit 1; fi
-if [[ " $GUARD " == *" $name "* ]]; then echo "error: reward-hacking guard: mean reply length" >&2; exit 1; fi
+if [[ " $GUARD " == *" $name "* ]]; then mkdir -p "$runs/$name"; echo "12:00:00 run directory $runs/$name" >&2
+  echo "error: reward-hacking guard: mean reply length" >&2; exit 1; fi
 if [[ " $SLOW " == *" $name "* ]]; then sleep 4; fi
 mkdir -p "$runs/$name" && echo "run_dir: $runs/$name"
 '''
@@ -130,13 +132,23 @@ GRPO = ["GRPO_lr2e-5", "GRPO_lr1e-4", "GRPO_lr1e-4_beta0.04_temperature0.8", "GR
 
 @pytest.mark.parametrize("fail, guard, ok", [
     (" ".join(GRPO), "", False), ("04_train_grpo.py", "", False), ("04_train_dpo.py", "", False),
-    (GRPO[0], "", False), ("", " ".join(GRPO[:3]), True), ("", "", True)])
+    (GRPO[0], "", False), ("", " ".join(GRPO[:3]), True), ("", " ".join(GRPO), True), ("", "", True)])
 def test_the_chain_fails_when_a_stage_fails_and_names_it(tmp_path, fail, guard, ok):
-    code, out = _chain(tmp_path, FAIL=fail, GUARD=guard)
+    code, out = _chain(tmp_path, FAIL=fail, GUARD=guard, CALLS=str(tmp_path / "calls"))
     assert (code == 0) == ok, out[-3000:]
     assert ("finished in" in out) == ok, out[-3000:]
     for name in guard.split():
         assert f"stage grpo_{name[5:]} was stopped by its length guard" in out
+    if guard:  # the summary draws the stopped recipes' curves too
+        summary = next(line for line in (tmp_path / "calls").read_text().splitlines() if line.startswith("scripts/persuasion_real_weights.py summary "))
+        assert all(f"{name[5:]}={tmp_path / 'runs' / name}" in summary.split() for name in guard.split()), summary
+    if guard == " ".join(GRPO):  # every GRPO recipe stopped: the eval still compares DPO, ORPO and RAFT to SFT
+        assert "no GRPO recipe finished" in out and "the eval compares the other practice" in out, out[-3000:]
+        evaluated = next(line for line in (tmp_path / "calls").read_text().splitlines()
+                         if line.startswith("05_eval.py") and "--policy_runs" in line and "--split train" not in line)
+        assert all(f"{tmp_path / 'runs' / run} " in evaluated + " " for run in ("DPO", "ORPO", "RAFT")), evaluated
+        policies = evaluated.split("--policy_runs")[1].split("--best_of_n")[0].split()
+        assert not any(Path(run).name in GRPO for run in policies), policies
     if not ok:
         assert "error: " in out and ("failed" in out or "no GRPO recipe finished" in out), out[-3000:]
         failed = [g for g in GRPO if g in fail or fail == "04_train_grpo.py"]
