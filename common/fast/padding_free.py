@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
-from common.fast.shared_prompt import common_prefix, pack
+from common.fast.shared_prompt import common_prefix, flex_kernel, pack
 from common.model import unwrap_peft
 from common.trl_compat import attn_implementation
 
@@ -52,7 +52,7 @@ def packed_rewards(classifier, rows: list[list[list[torch.Tensor]]], attention: 
                 heads.append(int(packed.prefix_starts[g]) + t if t < len(prefix) else start + t - len(prefix))
             g += 1
     hidden = classifier.model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False,
-                              attention_mask=packed.mask(attention)).last_hidden_state
+                              attention_mask=packed.mask(attention), **flex_kernel(attention)).last_hidden_state
     return classifier.score(hidden.reshape(-1, hidden.shape[-1])[torch.tensor(heads, device=device)])
 
 

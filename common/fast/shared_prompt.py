@@ -114,6 +114,13 @@ def _pad(rows, length, value):
     return out
 
 
+def flex_kernel(attn_implementation: str) -> dict:
+    """The forward's kwargs that make FlexAttention run its main kernel on packed rows. Inductor otherwise
+    picks its decoding kernel for a query shorter than 128 tokens, which found no configuration for a short
+    fp32 row on an H100 (`NoValidChoicesError` in tests/fast/test_padding_free.py); the main one runs any length."""
+    return {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}} if attn_implementation == "flex_attention" else {}
+
+
 def branch_mask(doc: torch.Tensor, branch: torch.Tensor, attn_implementation: str):
     """The attention of rows of prompts and their branches (rows, L): causal, within a group (`doc`), a
     branch (`branch` > 0) seeing its prompt (0) and itself, never a sibling; -1 marks padding, which
@@ -156,10 +163,10 @@ def share_prompt(model, attention: str = "flex_attention") -> str:
             kwargs.pop(key, None)
         ids = shared["shared_input_ids"]
         branch = shared["shared_branch"]
+        running = attn_implementation(model)
         out = forward(input_ids=ids, position_ids=shared["shared_position_ids"],
-                      attention_mask=branch_mask(torch.where(branch >= 0, 0, -1), branch,
-                                                 attn_implementation(model)),
-                      labels=shared["shared_labels"], **kwargs)
+                      attention_mask=branch_mask(torch.where(branch >= 0, 0, -1), branch, running),
+                      labels=shared["shared_labels"], **flex_kernel(running), **kwargs)
         keep = labels[:, 1:] != -100
         for field in PER_TOKEN_FIELDS:
             value = getattr(out, field, None)
@@ -319,7 +326,8 @@ def _branch_logps(trainer, model, input_ids, attention_mask, n_reply, attention)
     labels[0, packed.starts.to(labels.device)] = -100  # a branch's copy of the prompt's last token: no reply token
     with trainer.accelerator.autocast():
         out = model(input_ids=packed.ids, position_ids=packed.positions, labels=labels,
-                    attention_mask=packed.mask(attention), fused_lm_head=True)  # TRL's: common/trl_compat.py
+                    attention_mask=packed.mask(attention), fused_lm_head=True,  # TRL's: common/trl_compat.py
+                    **flex_kernel(attention))
     # Row r's k-th reply token sits at start + 1 + k, and its prediction at start + k of the shifted output.
     index = torch.zeros(len(ids), n_reply, dtype=torch.long)
     valid = torch.zeros(len(ids), n_reply, dtype=torch.bool)

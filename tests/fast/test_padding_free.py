@@ -13,7 +13,7 @@ from test_token_budget import BUDGET, _lora_model, _relative_error, build, one_s
 
 from common.config import ConfigError, ModelArgs, RewardStageConfig
 from common.fast.model_changes import unmask_right_padding
-from common.fast.padding_free import unpad_rows
+from common.fast.padding_free import packed_rewards, unpad_rows
 from common.fast.shared_prompt import common_prefix, pack
 
 
@@ -64,6 +64,28 @@ def test_packed_forward_gives_the_padded_rewards(share_prompt):
     model.eval()  # scoring keeps the padded forward
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, padded, atol=1e-5)
+
+
+def test_the_flex_forward_runs_the_main_kernel_and_gives_the_sdpa_rewards(monkeypatch):
+    """FlexAttention's packed forward (the GPU's; the CPU has its forward, not its backward) asks for the main
+    kernel, since Inductor's decoding kernel, which it picks for rows under 128 tokens, fails on a GPU for short
+    fp32 rows; the rewards equal the SDPA mask's."""
+    import transformers.integrations.flex_attention as hf_flex
+    model = _lora_model("reward", ModelArgs(model_name_or_path=str(TINY), lora_dropout=0.0)).eval()
+    classifier = model.get_base_model()
+    g = torch.Generator().manual_seed(1)
+    rows = [[[torch.randint(3, 500, (n,), generator=g) for n in (9, 13)], [torch.randint(3, 500, (20,), generator=g)]]]
+    asked = []
+    real = hf_flex.compile_friendly_flex_attention
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention",
+                        lambda *a, **k: asked.append(k.get("kernel_options")) or real(*a, **k))
+    with torch.no_grad():
+        sdpa = packed_rewards(classifier, rows, "sdpa")
+        assert not asked
+        classifier.set_attn_implementation("flex_attention")
+        flex = packed_rewards(classifier, rows, "flex_attention")
+    assert asked and all(k == {"FORCE_USE_FLEX_ATTENTION": True} for k in asked), asked
+    assert torch.allclose(flex, sdpa, atol=1e-5) and len(set(sdpa[:, 0].tolist())) == 3, (flex, sdpa)
 
 
 @pytest.mark.slow
