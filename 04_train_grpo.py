@@ -47,6 +47,7 @@ def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, t
     settle(run, config, levers)  # on the config before the trainer is built, and in config.yaml: what ran
     args = trainer_args(GRPOConfig, config, run, num_generations=config.num_generations,
                         max_completion_length=config.max_completion_length,
+                        mask_truncated_completions=config.mask_truncated_completions,
                         temperature=config.temperature, beta=config.beta, scale_rewards=config.scale_rewards,
                         log_completions=False, reward_weights=reward_weights,
                         steps_per_generation=config.steps_per_generation)  # None: TRL's, gradient_accumulation_steps

@@ -507,6 +507,9 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     max_prompts: int = arg(1000, "premises of the train split to practise on", ge=1)
     max_prompt_tokens: int = arg(512, "the premise is cut so the templated prompt fits this", ge=1, plain=KEPT)
     max_completion_length: int = arg(256, "tokens per sampled reply", ge=1, plain=KEPT)
+    mask_truncated_completions: bool = arg(
+        False, "a reply cut at max_completion_length carries no gradient (TRL's, DAPO's overlong filtering): else a "
+        "judge that marks cut replies down teaches the policy to stop early rather than to argue better")
     num_generations: int = arg(4, "replies per premise (GRPO's group)", ge=2, plain=KEPT)
     temperature: float = arg(1.0, "sampling temperature of the rollouts", gt=0)
     beta: float = arg(0.0, "KL penalty to where the policy started (the SFT adapter, or the base); 0: no reference "

@@ -166,3 +166,20 @@ def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
     head = report.split("## Verdict", 1)
     assert len(head) == 2 and "| model |" not in head[0]  # the verdict comes before any table
     assert "looped | copied | distinct-2 | refused" in report
+
+
+@pytest.mark.stage
+def test_a_cut_reply_carries_no_gradient_with_mask_truncated_completions(tmp_path, from_base):
+    """Every reply cut at 3 tokens: with mask_truncated_completions no token trains (grad norm 0, the loss
+    0), without it they all do."""
+    grad = {}
+    for mask in ("true", "false"):
+        run = run_dir_of(run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml",
+                                   "--pairs_run", from_base["pairs"], "--reward_run", from_base["reward"],
+                                   "--max_completion_length", 3, "--mask_truncated_completions", mask,
+                                   "--guard_max_length_ratio", "null", "--runs_dir", tmp_path / mask))
+        logged = [h for h in json.loads((run / "metrics.json").read_text())["log_history"] if "grad_norm" in h]
+        assert logged and all(h["completions/clipped_ratio"] == 1.0 for h in logged), logged
+        assert f"mask_truncated_completions: {mask}" in (run / "config.yaml").read_text()
+        grad[mask] = [h["grad_norm"] for h in logged]
+    assert all(g == 0 for g in grad["true"]) and all(g > 0 for g in grad["false"]), grad
