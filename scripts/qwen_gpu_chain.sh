@@ -15,11 +15,11 @@
 #      FRAMINGS: the system prompts chosen among on dev before anything trains, configs/qwen-gpu/framings.txt,
 #      FRAMINGS= for the pairs config's own; RAFT_GREEDY: RAFT with SFT's greedy reply among its candidates
 #      beside the plain one, since most of the third run's picks had no candidate that passed the fluency gate)
-#   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding),
-#      and both writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py, common/fluency.py)
+#   3. SmolLM2's base replies to the same test premises (05 with the smol-gpu recipe, the same decoding; SMOL_BASE=0
+#      skips them), and the writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py)
 # RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
 # whole judge sweep was measured already: BUILTIN=0 CANDIDATES_FILE=configs/qwen-gpu/judges_practice_candidates.txt
-# ENSEMBLE_SIZES= MODELS="qwen15 gemma270 smol" (five candidates, one wave).
+# ENSEMBLE_SIZES= MODELS="qwen15 gemma270 smol" (four candidates, one wave).
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, each stage's seconds from scripts/demo_lib.sh's timeline, peak GPU
 # memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
@@ -61,9 +61,14 @@ pairs=$("$PY" -c "import json,sys; print(json.load(open('$evalrun/manifest.json'
 decoding=$("$PY" -c "
 import json; d = json.load(open('$evalrun/manifest.json'))['decoding']
 print(f\"--temperature {d['temperature']} --repetition_penalty {d['repetition_penalty']} --no_repeat_ngram_size {d['no_repeat_ngram_size']}\")")
-# shellcheck disable=SC2086
-smol=$(stage 05_eval.py --config configs/smol-gpu/05_eval.yaml --pairs_run "$pairs" $decoding --run_name SmolBase_Eval)
-for w in "qwen:$evalrun" "smol:$smol"; do
+# SMOL_BASE=0 skips SmolLM2's base replies (measured 2026-12-04: a chain short of GPU minutes keeps them for practice)
+writers=("qwen:$evalrun") smol=""
+if [[ ${SMOL_BASE:-1} == 1 ]]; then
+  # shellcheck disable=SC2086
+  smol=$(stage 05_eval.py --config configs/smol-gpu/05_eval.yaml --pairs_run "$pairs" $decoding --run_name SmolBase_Eval)
+  writers+=("smol:$smol")
+fi
+for w in "${writers[@]}"; do
   "$PY" scripts/reply_fluency.py "${w#*:}/replies.jsonl" .cache/models/gemma-3-270m --premises 1000 \
     --models base > "$LOGS/fluency_${w%%:*}.json"
 done
@@ -86,9 +91,9 @@ peak = max((int(x) for x in open(f"{logs}/gpu_memory.txt").read().split() if x.i
 json.dump({"models_built_s": int(built), "chain_s": int(chain), "chain_rc": int(rc), "failed_stages": failed,
            "max_jobs": int(os.environ["MAX_JOBS"]),
            "peak_gpu_memory_mib": peak, "stages": stages, "eval_run": evalrun,
-           "generation_speed": {"qwen": speed(evalrun), "smol": speed(smol)},
+           "generation_speed": {"qwen": speed(evalrun), **({"smol": speed(smol)} if smol else {})},
            "base_reply_fluency_under_gemma": {w: json.load(open(f"{logs}/fluency_{w}.json"))["models"]["base"]
-                                              for w in ("qwen", "smol")}}, open(out, "w"), indent=2)
+                                              for w in ("qwen", "smol") if w == "qwen" or smol}}, open(out, "w"), indent=2)
 print(open(out).read())
 PY
 exit "$rc"
