@@ -63,7 +63,8 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     # 2. Data: the winners of the train split (dev for a held-out loss).
     train_rows, dev_rows = train_and_dev(config.pairs_run, config.max_train_examples, config.max_eval_examples)
     if config.targets_from:  # RAFT: the best-of-n picks of an eval run of the train split instead (common/raft.py)
-        train_rows, run.manifest["targets_from"] = best_of_n_targets(config.targets_from, train_rows)
+        train_rows, run.manifest["targets_from"] = best_of_n_targets(config.targets_from, train_rows,
+                                                                      config.targets_without_greedy)
     log.info("SFT on %d train rows, dev loss on %d", len(train_rows), len(dev_rows))
 
     # 3. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.

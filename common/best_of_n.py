@@ -32,15 +32,21 @@ def keep_best(prompts: list, candidates: list[list[str]], score, passed: list[li
     for texts in candidates:
         scores.append(flat[start:start + len(texts)])
         start += len(texts)
-    best = []
-    for i, (texts, s) in enumerate(zip(candidates, scores)):
-        ok = [j for j in range(len(texts)) if passed is None or passed[i][j]]
-        if ok:
-            best.append(texts[max(ok, key=s.__getitem__)])
-        else:
-            lps = [-math.inf if math.isnan(v) else v for v in log_probs[i]]
-            best.append(texts[max(range(len(texts)), key=lps.__getitem__)])
+    best = [texts[choose(s, passed[i] if passed is not None else None, log_probs[i] if log_probs else None)]
+            for i, (texts, s) in enumerate(zip(candidates, scores))]
     return best, scores
+
+
+def choose(scores: list[float], passed: list[bool] | None, log_probs: list[float] | None,
+           among: range | None = None) -> int:
+    """Which candidate `keep_best` keeps (of `among`, every one by default): the best scored of those that
+    passed the gate (the first on a tie), else the most fluent."""
+    among = among or range(len(scores))
+    ok = [j for j in among if passed is None or passed[j]]
+    if ok:
+        return max(ok, key=scores.__getitem__)
+    lps = [-math.inf if math.isnan(log_probs[j]) else log_probs[j] for j in among]
+    return among[max(range(len(lps)), key=lps.__getitem__)]
 
 
 def pick(config, manifest: dict, prompts: list, candidates: list[list[str]], log_probs: dict | None,

@@ -349,6 +349,14 @@ class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArg
     targets_from: str | None = arg(
         None, "RAFT: an Eval run of best-of-n replies to this pairs run's train split (05 --split train --best_of_n "
         "N): train on its picks, one a post, in place of the winners (common/raft.py)")
+    targets_without_greedy: bool = arg(
+        False, "with targets_from a run of best_of_n_with_greedy: the pick among its sampled candidates alone, the "
+        "plain RAFT from the same generation (common/raft.py)")
+
+    def check(self):
+        if self.targets_without_greedy and not self.targets_from:
+            raise ConfigError("field 'targets_without_greedy' picks among the samples of --targets_from: give it",
+                              "targets_without_greedy")
 
 
 @dataclass

@@ -161,18 +161,22 @@ background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "
 # picked by the training judge among those that pass the fluency gate, then SFT on the picks. RAFT=0 skips it.
 fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
 # RAFT_GREEDY=1 adds raft_greedy: SFT's greedy reply is a candidate too (best_of_n_with_greedy), so that a pick
-# is never a sample less fluent than the gate asks (most picks of the third run were: no sample passed).
-raft=(); [[ ${RAFT:-1} == 1 ]] && raft+=(raft); [[ ${RAFT:-1} == 1 && ${RAFT_GREEDY:-0} == 1 ]] && raft+=(raft_greedy)
-for name in "${raft[@]}"; do
-  greedy=(); run=RAFT; [[ $name == raft_greedy ]] && greedy=(--best_of_n_with_greedy true) run=RAFT_Greedy
+# is never a sample less fluent than the gate asks (most picks of the third run were: no sample passed). Both
+# RAFTs then train on one generation: the plain one picks among its samples alone (targets_without_greedy).
+if [[ ${RAFT:-1} == 1 ]]; then
+  greedy=(); plain=(); [[ ${RAFT_GREEDY:-0} == 1 ]] && greedy=(--best_of_n_with_greedy true) plain=(--targets_without_greedy true)
   # shellcheck disable=SC2086
-  background "${name}_targets" 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
+  background raft_targets 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
     --split train --evaluate_base false --best_of_n "$BEST_OF_N" --best_of_n_scorer "run:$judge" "${fluency[@]}" \
-    "${greedy[@]}" --max_premises "$MAX_PREMISES" $decoding --run_name "${run}_Targets"
+    "${greedy[@]}" --max_premises "$MAX_PREMISES" $decoding --run_name RAFT_Targets
   # its SFT as soon as its targets are written, beside the other practice stages
-  background "$name" --after "${name}_targets" 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" \
-    --pairs_run "$pairs" --targets_from "@${name}_targets" --run_name "$run"
-done
+  background raft --after raft_targets 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" \
+    --targets_from @raft_targets "${plain[@]}" --run_name RAFT
+  if [[ ${RAFT_GREEDY:-0} == 1 ]]; then
+    background raft_greedy --after raft_targets 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" \
+      --pairs_run "$pairs" --targets_from @raft_targets --run_name RAFT_Greedy
+  fi
+fi
 wait_for_all --allow_failures
 recipes=(); for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   [[ -s "$LOGS/grpo_$name.dir" ]] && recipes+=("$name=$(cat "$LOGS/grpo_$name.dir")"); done

@@ -7,6 +7,8 @@ import json
 import pytest
 from conftest import error_line, run_dir_of, run_stage
 
+from common.raft import best_of_n_targets
+
 
 @pytest.mark.stage
 def test_sft_trains_on_the_gated_best_of_n_picks_of_the_train_premises(pairs_run, tiny_model, tmp_path):
@@ -60,6 +62,43 @@ def test_best_of_n_with_the_greedy_reply_always_has_a_fluent_candidate(pairs_run
     rows = [json.loads(line)["best_of_n"] for line in (picks / "replies.jsonl").read_text().splitlines()]
     assert targets["with_greedy"] is True
     assert targets["n_picks_of_the_greedy_reply"] == sum(r["reply"] == r["candidates"][0] for r in rows)
+    # the plain RAFT from the same generation: the same rule over the samples alone (candidates 1..n)
+    plain = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run",
+                                 pairs_run, "--targets_from", picks, "--targets_without_greedy", "true",
+                                 "--runs_dir", tmp_path))
+    recorded = json.loads((plain / "manifest.json").read_text())["targets_from"]
+    assert recorded["with_greedy"] is False and recorded["among_the_samples_of_a_run_with_the_greedy_reply"] is True
+    assert recorded["n_posts"] == targets["n_posts"] and recorded["n_picks_of_the_greedy_reply"] is None
+    from common.data import load_split
+    chosen, _ = best_of_n_targets(picks, load_split(pairs_run, "train"), without_greedy=True)
+    by_id = {json.loads(line)["id"]: json.loads(line)["best_of_n"] for line in (picks / "replies.jsonl").read_text().splitlines()}
+    for row in chosen:
+        best = by_id[row["id"]]
+        samples = [c for c, ok in zip(best["candidates"][1:], best["candidate_passed"][1:]) if ok]
+        lps = best["candidate_log_probs"][1:]
+        assert row["chosen"] == (max(samples, key=lambda c: len(c.split())) if samples
+                                 else best["candidates"][1 + lps.index(max(lps))])
+    # from a run without the greedy reply, or without --targets_from: one error line
+    for extra in (["--targets_from", plain_picks(pairs_run, tiny_model, tmp_path)], []):
+        proc = run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--pairs_run", pairs_run,
+                         "--targets_without_greedy", "true", *extra, "--runs_dir", tmp_path, check=False)
+        assert "targets_without_greedy" in error_line(proc)
     # without best_of_n (or without a model whose greedy reply it is): one error line
     proc = run_stage("05_eval.py", *common, "--best_of_n_with_greedy", "true", check=False)
     assert "best_of_n_with_greedy" in error_line(proc)
+
+
+def plain_picks(pairs_run, tiny_model, tmp_path):
+    """A best-of-2 run of the train split without the greedy reply."""
+    return run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,
+                                "--split", "train", "--best_of_n", "2", "--best_of_n_scorer", "tests.test_scorers:words",
+                                "--max_premises", "2", "--run_name", "Plain_Picks", "--runs_dir", tmp_path))
+
+
+def test_choose_keeps_the_best_passing_candidate_among_those_asked():
+    from common.best_of_n import choose
+    scores, passed, lps = [5.0, 1.0, 3.0, 2.0], [True, False, True, True], [-1.0, -0.5, -2.0, -3.0]
+    assert choose(scores, passed, lps) == 0 and choose(scores, passed, lps, range(1, 4)) == 2
+    assert choose(scores, None, lps, range(1, 4)) == 2  # no gate: the best scored
+    assert choose(scores, [True, False, False, False], lps, range(1, 4)) == 1  # none passed: the most fluent
+    assert choose(scores, [True, False, False, False], [-1.0, float("nan"), -2.0, -3.0], range(1, 4)) == 2

@@ -165,13 +165,19 @@ def test_raft_trains_once_its_targets_are_written_not_once_all_practice_has(tmp_
             (tmp_path / "runs" / "logs" / "timeline.tsv").read_text().splitlines())}
     assert ends["raft_targets"] <= ends["raft"] < min(ends[f"grpo_{g[5:]}"] for g in GRPO), ends
     assert (tmp_path / "runs" / "logs" / "raft.log").read_text().startswith("run_dir: ")
-    # RAFT_GREEDY=1: a second RAFT whose candidates include SFT's greedy reply, evaluated beside the first
+    assert not any("--best_of_n_with_greedy" in line or "--targets_without_greedy" in line
+                   for line in (tmp_path / "calls").read_text().splitlines())
+    # RAFT_GREEDY=1: a second RAFT whose candidates include SFT's greedy reply, evaluated beside the first; one
+    # generation for both, the plain one picking among its samples alone
     code, out = _chain(tmp_path, RAFT_GREEDY="1", CALLS=str(tmp_path / "calls_greedy"))
     assert code == 0, out[-3000:]
     calls = (tmp_path / "calls_greedy").read_text().splitlines()
-    targets = [line for line in calls if "--run_name RAFT_Greedy_Targets" in line]
+    targets = [line for line in calls if "--best_of_n" in line and "--split train" in line]
     assert len(targets) == 1 and "--best_of_n_with_greedy true" in targets[0], calls
-    assert not any("--best_of_n_with_greedy" in line for line in calls if "--run_name RAFT_Targets" in line)
+    source = f"--targets_from {tmp_path / 'runs' / 'RAFT_Targets'} "
+    plain, greedy = ([line for line in calls if f"--run_name {name} " in line + " "] for name in ("RAFT", "RAFT_Greedy"))
+    assert len(plain) == len(greedy) == 1 and source in plain[0] and source in greedy[0], calls
+    assert "--targets_without_greedy true" in plain[0] and "--targets_without_greedy" not in greedy[0]
     evaluated = next(line for line in calls if "--policy_runs" in line and "--split train" not in line)
     assert f"{tmp_path / 'runs' / 'RAFT'} " in evaluated and f"{tmp_path / 'runs' / 'RAFT_Greedy'}" in evaluated
     # targets that failed: RAFT does not train, and says why; the chain names both
