@@ -349,6 +349,10 @@ class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArg
     targets_from: str | None = arg(
         None, "RAFT: an Eval run of best-of-n replies to this pairs run's train split (05 --split train --best_of_n "
         "N): train on its picks, one a post, in place of the winners (common/raft.py)")
+    max_reply_tokens: int | None = arg(
+        None, "CMV: the reply is cut (at a sentence end) to this many tokens too, so that the writer learns to "
+        "finish where generation stops (05's max_new_tokens, 04's max_completion_length); null: max_length alone",
+        ge=1)
     targets_without_greedy: bool = arg(
         False, "with targets_from a run of best_of_n_with_greedy: the pick among its sampled candidates alone, the "
         "plain RAFT from the same generation (common/raft.py)")

@@ -138,3 +138,24 @@ def test_a_toy_task_runs_01_02_05_on_the_tiny_model(toy_registered, tiny_model, 
     assert all(r[m]["exact"] == (r[m]["reply"].strip() == r["reference"]) for r in replies for m in ("base", "sft"))
     assert "## Echo" in (run / "report.md").read_text()
     assert json.loads((run / "manifest.json").read_text())["task"] == "echo"
+
+
+def test_a_cmv_reply_is_cut_to_max_reply_tokens_at_a_sentence_end(tiny_model):
+    """SFT's target stops where generation will (max_reply_tokens), at a sentence end where one falls in its last
+    third; without the field only max_length cuts it; the review task refuses the field."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from common.tasks import cmv, review
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    reply = " ".join(f"Sentence number {i} makes a point about rent." for i in range(60))
+    row = {"prompt": [{"role": "user", "content": "CMV: rents are too high."}], "chosen": reply}
+    config = SimpleNamespace(max_prompt_tokens=64, max_length=1024, max_reply_tokens=40)
+    cut = cmv.sft_examples(row, tokenizer, config)[0]["completion"][0]["content"]
+    n = len(tokenizer(cut, add_special_tokens=False)["input_ids"])
+    assert 40 * 2 // 3 <= n <= 40 and cut.endswith(".") and reply.startswith(cut), (n, cut)
+    whole = cmv.sft_examples(row, tokenizer, SimpleNamespace(max_prompt_tokens=64, max_length=1024))
+    assert len(tokenizer(whole[0]["completion"][0]["content"], add_special_tokens=False)["input_ids"]) > 40
+    with pytest.raises(ConfigError, match="max_reply_tokens"):
+        review.check_config(SimpleNamespace(max_reply_tokens=40, max_length=1024))

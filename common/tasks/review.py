@@ -306,6 +306,8 @@ def check_config(config) -> None:
     if getattr(config, "input_strategy", None) == "sliding_window" and config.window_overlap >= config.max_length:
         raise ConfigError(f"field 'window_overlap' ({config.window_overlap}) must be well below max_length "
                           f"({config.max_length}) for the review task's windows: lower window_overlap", "window_overlap")
+    if getattr(config, "max_reply_tokens", None):
+        raise ConfigError("field 'max_reply_tokens' cuts a CMV reply; a review is cut by max_length", "max_reply_tokens")
     if not hasattr(config, "rating_pooling"):  # the rest is stage 03's: the rating model
         return
     if config.judge_backbone == "lora_4bit" and config.rating_window_overlap >= config.max_length:
