@@ -98,7 +98,8 @@ def rejected_replies(run, config: DPOStageConfig, model, tokenizer, rows, prompt
 def preference_dataset(rows, prompts, rejected, tokenizer, config: DPOStageConfig) -> Dataset:
     """Conversational preference examples (prompt, chosen, rejected) that fit the token budget."""
     def reply(prompt, text):
-        return [{"role": "assistant", "content": fit_reply(tokenizer, prompt, text, config.max_length)}]
+        return [{"role": "assistant", "content": fit_reply(tokenizer, prompt, text, config.max_length,
+                                                           config.max_reply_tokens)}]
     return Dataset.from_list([{"prompt": p, "chosen": reply(p, row["chosen"]),
                                "rejected": reply(p, row.get("rejected") or made)}
                               for row, p, made in zip(rows, prompts, rejected)])

@@ -655,6 +655,9 @@ class DPOStageConfig(RunArgs, ModelArgs, TrainArgs, TokenBudgetArgs, OneSequence
                                        "the same base; orpo: trl.experimental.orpo (no reference)", plain=KEPT)
     beta: float = arg(0.1, "DPO's beta (strength of the reference); ORPO's lambda", gt=0)
     max_pairs: int | None = arg(None, "use only the first N preference pairs", ge=1)
+    max_reply_tokens: int | None = arg(
+        None, "CMV: both replies cut (at a sentence end) to this many tokens too, where generation stops (as SFT's); "
+        "null: max_length alone", ge=1)
     rejected_from: Literal["base", "sft"] = arg(
         "sft", "review task: the rejected review is the pipeline's own generation, by the untrained base or "
         "the SFT adapter (made by this stage, saved in rejected.jsonl)")

@@ -516,8 +516,10 @@ def template_closing_tokens(tokenizer, prompt_messages: list[dict]) -> int:
     return _template_overheads(tokenizer, prompt_messages)[1]
 
 
-def fit_reply(tokenizer, prompt_messages: list[dict], reply: str, max_length: int) -> str:
-    """Cut the reply (at a sentence end where possible) so prompt + reply fit `max_length`."""
+def fit_reply(tokenizer, prompt_messages: list[dict], reply: str, max_length: int,
+              max_reply_tokens: int | None = None) -> str:
+    """Cut the reply (at a sentence end where possible) so prompt + reply fit `max_length`, and the reply
+    `max_reply_tokens` when given."""
     closing = template_closing_tokens(tokenizer, prompt_messages)
     budget = max_length - prompt_length(tokenizer, prompt_messages) - closing - 1
-    return truncate_tokens(tokenizer, reply, budget, sentence_boundary=True)
+    return truncate_tokens(tokenizer, reply, min(budget, max_reply_tokens or budget), sentence_boundary=True)

@@ -141,8 +141,8 @@ def test_a_toy_task_runs_01_02_05_on_the_tiny_model(toy_registered, tiny_model, 
 
 
 def test_a_cmv_reply_is_cut_to_max_reply_tokens_at_a_sentence_end(tiny_model):
-    """SFT's target stops where generation will (max_reply_tokens), at a sentence end where one falls in its last
-    third; without the field only max_length cuts it; the review task refuses the field."""
+    """SFT's target and DPO's two replies stop where generation will (max_reply_tokens), at a sentence end where
+    one falls in the last third; without the field only max_length cuts them; the review task refuses it."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -159,3 +159,12 @@ def test_a_cmv_reply_is_cut_to_max_reply_tokens_at_a_sentence_end(tiny_model):
     assert len(tokenizer(whole[0]["completion"][0]["content"], add_special_tokens=False)["input_ids"]) > 40
     with pytest.raises(ConfigError, match="max_reply_tokens"):
         review.check_config(SimpleNamespace(max_reply_tokens=40, max_length=1024))
+    # DPO's two replies alike
+    from conftest import load_stage
+    dpo = load_stage("04_train_dpo.py")
+    pair = {**row, "rejected": reply.replace("rent", "wages")}
+    data = dpo.preference_dataset([pair], [row["prompt"]], [None], tokenizer,
+                                  SimpleNamespace(max_length=1024, max_reply_tokens=40))
+    for key in ("chosen", "rejected"):
+        text = data[0][key][0]["content"]
+        assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 40 and text.endswith("."), text

@@ -214,11 +214,9 @@ def input_units(row) -> dict:
 def sft_examples(row: dict, tokenizer, config) -> list[dict]:
     """Stage 02: the winner as one prompt/completion example, the premise cut to max_prompt_tokens and
     the reply at a sentence end, so that both fit max_length (and the reply max_reply_tokens)."""
-    from common.data import fit_prompt, fit_reply, truncate_tokens
+    from common.data import fit_prompt, fit_reply
     prompt = fit_prompt(tokenizer, row["prompt"], config.max_prompt_tokens)
-    reply = fit_reply(tokenizer, prompt, row["chosen"], config.max_length)
-    if getattr(config, "max_reply_tokens", None):
-        reply = truncate_tokens(tokenizer, reply, config.max_reply_tokens, sentence_boundary=True)
+    reply = fit_reply(tokenizer, prompt, row["chosen"], config.max_length, getattr(config, "max_reply_tokens", None))
     return [{"prompt": prompt, "completion": [{"role": "assistant", "content": reply}]}]
 
 
