@@ -94,7 +94,7 @@ wait_for_all() {
       continue
     fi
     dep=$(sed -n 's/^error: stage \([^ ,]*\), whose run this stage reads, did not finish.*/\1/p' "$LOGS/$name.log" 2>/dev/null)
-    if (( ${#ran[@]} > 1 )) && [[ -z ${RETRIED[$name]:-} ]] && { grep -q 'CUDA out of memory' "$LOGS/$name.log" \
+    if (( ${#ran[@]} > 1 && ${MAX_JOBS:-1000} > 1 )) && [[ -z ${RETRIED[$name]:-} ]] && { grep -q 'CUDA out of memory' "$LOGS/$name.log" \
          2>/dev/null || [[ -n $dep && " ${retry[*]} " == *" $dep "* ]]; }; then
       retry+=("$name")
       continue
