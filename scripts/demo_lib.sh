@@ -20,10 +20,13 @@ stage() {
   for arg in "$@"; do  # a caller's own --runs_dir is kept (a field given twice is refused)
     [[ $arg == --runs_dir || $arg == --runs_dir=* ]] && runs=()
   done
-  # >(cat >&2), not /dev/stderr: reopening /dev/stderr when it is a file starts writing at the
-  # file's beginning, so each stage would overwrite the log of the ones before it
-  local t0; t0=$(date +%s)
-  out=$("$PY" "$@" "${runs[@]}" | tee >(cat >&2)) || { timeline "$1" "$t0" 1; echo "error: stage $1 failed; the chain stops" >&2; exit 1; }
+  # The stage's stdout (its run_dir line) is echoed to stderr once it has ended: a `tee >(cat >&2)` could
+  # still be writing when the chain exits, and its last stage's lines were lost (its logging goes to stderr
+  # as it runs).
+  local t0 rc=0; t0=$(date +%s)
+  out=$("$PY" "$@" "${runs[@]}") || rc=$?
+  [[ -z $out ]] || printf '%s\n' "$out" >&2
+  (( rc == 0 )) || { timeline "$1" "$t0" 1; echo "error: stage $1 failed; the chain stops" >&2; exit 1; }
   timeline "$1" "$t0" 0
   grep '^run_dir: ' <<<"$out" | tail -1 | cut -d' ' -f2-
 }
