@@ -79,6 +79,16 @@ requires_two_gpus_on_a_gpu = pytest.mark.skipif(torch.cuda.is_available() and to
                                                 reason="two processes need two GPUs where there is a GPU (on the CPU: gloo)")
 
 
+@pytest.fixture
+def fresh_compile():
+    """For a test that runs FlexAttention: the compile caches are cleared before and after it. Otherwise a call
+    of another shape than an earlier test's recompiles with dynamic shapes, and Inductor's CPU template then
+    writes a kernel that does not compile (torch 2.13: its split-size symbol `ks1` is replaced inside `ks18`)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from common.local_models import ensure

@@ -320,7 +320,7 @@ def test_pointwise_encoder_judge_trains_is_audited_and_reloads(encoder_pipeline)
 
 
 @pytest.mark.slow
-def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
+def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model, fresh_compile):
     """RewardScorer.score packs the replies to one prompt as branches of one row (padding-free, the prompt
     computed once); each score must be the one HF's padded forward gives that input, in its place,
     whether the prompts are shared or not and however the rows are cut."""
@@ -352,9 +352,6 @@ def test_scorer_shares_prompts_and_returns_scores_in_input_order(tiny_model):
         flex = RewardScorer(model, tok, 64, 256, batch_size=64).score(prompts, replies)
     finally:
         unwrap_peft(model).set_attn_implementation("sdpa")
-        # A later FlexAttention call of another shape would recompile with dynamic shapes, which Inductor's
-        # CPU template fails to compile (torch 2.11): later tests start from a clean compile cache.
-        torch._dynamo.reset()
     # bf16: a few units in the last place. A GPU's kernels sum in another order for each layout
     # (FlexAttention's one row, SDPA's rows, the padded batches), and bf16's unit grows with the score:
     # 2^-4 of a score there (four units of bf16's 8-bit mantissa: one H200 run saw 0.0625 at a score of

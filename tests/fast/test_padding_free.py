@@ -66,7 +66,7 @@ def test_packed_forward_gives_the_padded_rewards(share_prompt):
         assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits, padded, atol=1e-5)
 
 
-def test_the_flex_forward_runs_the_main_kernel_and_gives_the_sdpa_rewards(monkeypatch):
+def test_the_flex_forward_runs_the_main_kernel_and_gives_the_sdpa_rewards(monkeypatch, fresh_compile):
     """FlexAttention's packed forward (the GPU's; the CPU has its forward, not its backward) asks for the main
     kernel, since Inductor's decoding kernel, which it picks for rows under 128 tokens, fails on a GPU for short
     fp32 rows; the rewards equal the SDPA mask's."""

@@ -143,7 +143,7 @@ def test_reference_log_probs_equal_trls(trainer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["fp32"], indirect=True)
-def test_flex_attention_block_mask_gives_the_same_log_probs(trainer):
+def test_flex_attention_block_mask_gives_the_same_log_probs(trainer, fresh_compile):
     """The BlockMask the GPU recipes use (attn_implementation flex_attention) against the sdpa mask."""
     batch = _batch(trainer)
     trainer.model.eval()
