@@ -112,8 +112,10 @@ class Generated:
     replies: dict = field(default_factory=dict)  # model -> replies
     readouts: dict = field(default_factory=dict)  # model -> ratings read out (tasks with a READOUT_SCALE)
     speed: dict = field(default_factory=dict)  # model -> generation_speed
+    cut: dict = field(default_factory=dict)  # model -> whether each reply was cut at max_new_tokens
     windows: list | bool | None = None  # reading all_windows: each premise's windows (read back: whether read)
     candidates: list | None = None  # best_of_n: n sampled replies a premise
+    candidate_cut: list | None = None  # and whether each was cut
 
 
 def run_inputs(config: EvalConfig) -> dict:
@@ -145,8 +147,8 @@ def generate_all(config: EvalConfig, run: Run, task, tokenizer, adapters: dict, 
     has a rating; reading all_windows reads it on every window too. Then best-of-n's candidates (n sampled
     replies a premise from the SFT model, the base without one) and review's rerank_by_rating."""
     if config.replies_from:  # nothing generated: that run's replies, read back (common/eval_inputs.py)
-        replies, readouts, speed = eval_inputs.read_replies(run, premises, task)
-        return Generated(replies, readouts, speed, bool(task.READOUT_SCALE) and config.reading == "all_windows")
+        replies, readouts, speed, cut = eval_inputs.read_replies(run, premises, task)
+        return Generated(replies, readouts, speed, cut, bool(task.READOUT_SCALE) and config.reading == "all_windows")
     names = list(adapters)
     model = load_model(config, CAUSAL_LM, adapter=adapters[names[0]], trainable=False,
                        adapter_name=names[0]) if names else load_model(config, CAUSAL_LM, trainable=False)
@@ -160,27 +162,30 @@ def generate_all(config: EvalConfig, run: Run, task, tokenizer, adapters: dict, 
     made = Generated(windows=windows)
     for name in (["base"] if config.evaluate_base else []) + names:
         with adapter_on(model, name):
-            made.replies[name], made.speed[name] = replies_of(model, tokenizer, prompts, config)
+            made.replies[name], made.cut[name], made.speed[name] = replies_of(model, tokenizer, prompts, config)
             if task.READOUT_SCALE:
                 made.readouts[name] = rating_readouts(model, tokenizer, task, prompts, made.replies[name], windows)
     if config.best_of_n:
         source = "sft" if "sft" in adapters else "base"
         run.manifest["best_of_n"] = {"n": config.best_of_n, "from": source, "temperature": config.best_of_n_temperature}
         with adapter_on(model, source):
-            flat, made.speed["best_of_n"] = replies_of(model, tokenizer, prompts, config, config.best_of_n,
-                                                       config.best_of_n_temperature)
-        made.candidates = in_groups(flat, config.best_of_n)
+            flat, cut, made.speed["best_of_n"] = replies_of(model, tokenizer, prompts, config, config.best_of_n,
+                                                            config.best_of_n_temperature)
+        made.candidates, made.candidate_cut = in_groups(flat, config.best_of_n), in_groups(cut, config.best_of_n)
         if config.best_of_n_with_greedy:  # the source's greedy reply first: it passes the fluency gate by its bar
             made.candidates = [[greedy, *group] for greedy, group in zip(made.replies[source], made.candidates)]
+            made.candidate_cut = [[greedy, *group] for greedy, group in zip(made.cut[source], made.candidate_cut)]
             run.manifest["best_of_n"]["with_greedy"] = True
     if config.rerank_by_rating:  # n sampled SFT reviews a paper, the one nearest the rating model's rating kept
         run.manifest["rerank_by_rating"] = {"n": config.rerank_by_rating, "from": "sft",
                                             "temperature": config.rerank_temperature}
         with adapter_on(model, "sft"):
-            sampled, made.speed["rerank_by_rating"] = replies_of(model, tokenizer, prompts, config,
-                                                                 config.rerank_by_rating, config.rerank_temperature)
+            sampled, cut, made.speed["rerank_by_rating"] = replies_of(model, tokenizer, prompts, config,
+                                                                      config.rerank_by_rating, config.rerank_temperature)
             made.replies["rerank_by_rating"], rating["reranked"] = rerank_by_rating(sampled, config.rerank_by_rating,
                                                                                     rating["rating_model"])
+            made.cut["rerank_by_rating"] = [cut[i * config.rerank_by_rating + kept["kept"]]
+                                            for i, kept in enumerate(rating["reranked"])]
             made.readouts["rerank_by_rating"] = rating_readouts(model, tokenizer, task, prompts,
                                                                 made.replies["rerank_by_rating"], windows)
     del model
@@ -202,10 +207,12 @@ def score_all(config: EvalConfig, run: Run, task, premises: list[dict], prompts:
     if made.candidates:
         made.replies["best_of_n"], scores.candidate_scores, scores.passed = best_of_n.pick(
             config, run.manifest, prompts, made.candidates, scores.log_probs, scores.candidate_lps)
+        picked = [c.index(best) for c, best in zip(made.candidates, made.replies["best_of_n"])]
         if scores.log_probs is not None:
-            scores.log_probs["best_of_n"] = [lps[c.index(best)] for lps, c, best in
-                                             zip(scores.candidate_lps, made.candidates, made.replies["best_of_n"])]
-    scores.results = shared_metrics(task, premises, made.replies, made.speed, scores.log_probs)
+            scores.log_probs["best_of_n"] = [lps[i] for lps, i in zip(scores.candidate_lps, picked)]
+        if made.candidate_cut:
+            made.cut["best_of_n"] = [cut[i] for cut, i in zip(made.candidate_cut, picked)]
+    scores.results = shared_metrics(task, premises, made.replies, made.speed, scores.log_probs, made.cut)
     for model, their in other_sft.items():
         scores.results[model]["vs_sft_started_from"] = their
         log.warning("%s started from SFT run %s, not --sft_run %s: its vs-SFT numbers compare it with another "
@@ -230,7 +237,7 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
     judge_info = {"judges": judges} if judges else {}
     write_json(run.dir / "eval.json", {**results, **report.baselines, **judge_info})
     write_jsonl(run.dir / "replies.jsonl", reply_rows(task, premises, made.replies, scores, made.candidates,
-                                                      report.per_reply))
+                                                      report.per_reply, made.cut, made.candidate_cut))
     grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
             if read_json(path.parent / "manifest.json").get("stage") == "GRPO"}
     plots = {**plot_distributions(run.dir, made.replies, scores.rewards, task.NOUNS["premises"]),

@@ -139,8 +139,9 @@ def _split_if_any(pairs_run, split: str) -> list[dict]:
     return load_split(pairs_run, split) if (Path(pairs_run) / f"{split}.jsonl").is_file() else []
 
 
-def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
-    """--replies_from: (replies, readouts, generation speed) per model, as the source run wrote them;
+def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict, dict]:
+    """--replies_from: (replies, readouts, generation speed, which were cut at max_new_tokens) per model, as the
+    source run wrote them (a source from before replies.jsonl held `cut` has none);
     its artifacts were checked unchanged when the run started. Its replies must answer `premises`
     (rebuilt from its settings) one for one, and its data files must be the ones recorded there.
     The manifest records the source run, its decoding and its generation backends."""
@@ -157,6 +158,7 @@ def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
     models = [name for name, value in rows[0].items() if isinstance(value, dict) and "reply" in value]
     replies = {name: [row[name]["reply"] for row in rows] for name in models}
     readouts = {name: [row[name]["readout"] for row in rows] for name in models if "readout" in rows[0][name]}
+    cut = {name: [row[name]["cut"] for row in rows] for name in models if all("cut" in row[name] for row in rows)}
     results = read_json(source / "eval.json")
     speed = {name: results.get(name, {}).get("generation") for name in models}
     backends = manifest.get("backends") or {}
@@ -166,7 +168,7 @@ def read_replies(run, premises: list[dict], task) -> tuple[dict, dict, dict]:
                         decoding=manifest.get("decoding"),
                         backends={"replies_from": {k: v for k, v in backends.items() if k != "judge_scoring"},
                                   "judge_scoring": {}})
-    return replies, readouts, speed
+    return replies, readouts, speed, cut
 
 
 def other_sft_starts(run, adapters: dict) -> dict[str, str]:

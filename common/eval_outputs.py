@@ -16,20 +16,25 @@ def _finite(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def reply_rows(task, premises: list[dict], replies: dict, scores, candidates, per_reply: dict) -> list[dict]:
-    """replies.jsonl: a premise, its reference and, by model, the reply with the training judge's reward,
-    every judge's score, the task's fields (`per_reply`), its fluency and, for best_of_n, every candidate
-    with its score, log-probability and whether it passed the fluency gate."""
+def reply_rows(task, premises: list[dict], replies: dict, scores, candidates, per_reply: dict,
+               cut: dict | None = None, candidate_cut: list | None = None) -> list[dict]:
+    """replies.jsonl: a premise, its reference and, by model, the reply with whether max_new_tokens cut it,
+    the training judge's reward, every judge's score, the task's fields (`per_reply`), its fluency and, for
+    best_of_n, every candidate with its score, log-probability, whether it passed the fluency gate and whether
+    it was cut."""
+    cut = cut or {}
     rows = []
     for i, p in enumerate(premises):
         row = {"id": p["id"], "premise": task.display(p)[:2000], "reference": p["chosen"]}
         for name in replies:
-            row[name] = {"reply": replies[name][i], **({"reward": scores.rewards[name][i]} if scores.rewards else {}),
+            row[name] = {"reply": replies[name][i], **({"cut": cut[name][i]} if name in cut else {}),
+                         **({"reward": scores.rewards[name][i]} if scores.rewards else {}),
                          **({"by_judge": {j: scores.every_judge[j][name][i] for j in scores.every_judge}}
                             if scores.every_judge else {}),
                          **per_reply.get(name, [{}] * len(premises))[i],
                          **({"fluency_log_prob": _finite(scores.log_probs[name][i])} if scores.log_probs else {}),
-                         **(_candidates(scores, candidates, i) if name == "best_of_n" and candidates else {})}
+                         **(_candidates(scores, candidates, i) if name == "best_of_n" and candidates else {}),
+                         **({"candidate_cut": candidate_cut[i]} if name == "best_of_n" and candidate_cut else {})}
         rows.append(row)
     return rows
 

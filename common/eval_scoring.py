@@ -65,9 +65,11 @@ def fluency_scores(config, run, prompts, replies: dict, candidates, human: list[
     return log_probs, groups
 
 
-def shared_metrics(task, premises: list[dict], replies: dict, speed: dict, log_probs: dict | None) -> dict:
+def shared_metrics(task, premises: list[dict], replies: dict, speed: dict, log_probs: dict | None,
+                   cut: dict | None = None) -> dict:
     """Every model's metrics that do not depend on the task or a judge: BLEU/ROUGE against the real replies,
-    generation speed, reply words, the replies' shape (loops, copying, variety, refusals, off-topic), fluency."""
+    generation speed, reply words, the share cut at max_new_tokens (`cut`: model -> a flag a reply, where the
+    decoder said), the replies' shape (loops, copying, variety, refusals, off-topic), fluency."""
     references = [task.references(r) for r in premises]
     shown = [task.display(p) for p in premises]
     off_topic = off_topic_shares(shown, references, replies)
@@ -75,6 +77,8 @@ def shared_metrics(task, premises: list[dict], replies: dict, speed: dict, log_p
                       "reply_words_mean": sum(map(n_words, texts)) / max(1, len(texts)), **reply_shape(shown, texts),
                       "off_topic_share": off_topic[name]}
                for name, texts in replies.items()}
+    for name, flags in (cut or {}).items():
+        results[name]["cut_share"] = sum(flags) / max(1, len(flags))
     for name, figures in (fluency_figures(log_probs) if log_probs else {}).items():
         results[name].update(figures)
     return results

@@ -17,16 +17,26 @@ from common.model import eos_ids
 from common.ngram_block import ReplyNgramBlock
 
 
-@torch.no_grad()
 def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
+                     **decoding) -> list[str]:
+    """Replies of a frozen model (`replies_and_cuts`, without the cut flags)."""
+    return replies_and_cuts(model, tokenizer, prompts, max_new_tokens, batch_size, **decoding)[0]
+
+
+@torch.no_grad()
+def replies_and_cuts(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
                      repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, temperature: float = 0.0,
-                     weights: str = "nf4", seed: int | None = None, static: bool = True) -> list[str]:
+                     weights: str = "nf4", seed: int | None = None, static: bool = True) -> tuple[list[str], list[bool]]:
     """Replies of a frozen model: greedy at temperature 0 (reproducible), else sampled from `seed`;
-    left-padded batches, special tokens stripped. `weights` "bf16": the static decoder reads bf16
-    copies of the 4-bit base, made once and freed at the end, instead of dequantising every weight at
-    every token. `no_repeat_ngram_size` n > 0: no n-gram appears twice in a reply (the prompt's do not
-    count: a review may quote its paper). The decoder that runs is `decoder_for(model, static)`."""
+    left-padded batches, special tokens stripped; and for each, whether `max_new_tokens` stopped it before
+    the model wrote an end token (the decoder's own tokens say so: a text rule such as "ends without a full
+    stop" would miss a reply cut after a sentence, or a review's closing "Rating: 6"). `weights` "bf16": the
+    static decoder reads bf16 copies of the 4-bit base, made once and freed at the end, instead of
+    dequantising every weight at every token. `no_repeat_ngram_size` n > 0: no n-gram appears twice in a
+    reply (the prompt's do not count: a review may quote its paper). The decoder that runs is
+    `decoder_for(model, static)`."""
     tokenizer.padding_side = "left"
+    eos = eos_ids(model, tokenizer)
     model.eval()
     if seed is not None:
         torch.manual_seed(seed)
@@ -34,15 +44,15 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
         ids = [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in prompts]
         new = []
         for start in range(0, len(ids), batch_size):
-            new += fast.decode(model, ids[start:start + batch_size], max_new_tokens, eos_ids(model, tokenizer),
+            new += fast.decode(model, ids[start:start + batch_size], max_new_tokens, eos,
                                tokenizer.pad_token_id, temperature=temperature, repetition_penalty=repetition_penalty,
                                no_repeat_ngram_size=no_repeat_ngram_size, weights=weights)
         fast.release_dense_base(model)
-        return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
+        return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)], _cut(new, eos)
     device = next(model.parameters()).device
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
-    replies = []
+    replies, cut = [], []
     for start in range(0, len(prompts), batch_size):
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
                  for p in prompts[start:start + batch_size]]
@@ -51,10 +61,18 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
         blocks = [ReplyNgramBlock(no_repeat_ngram_size, batch["input_ids"].shape[1])] if no_repeat_ngram_size else []
         out = model.generate(**batch, max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
                              logits_processor=LogitsProcessorList(blocks), pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=eos_ids(model, tokenizer), **sampling)
+                             eos_token_id=eos, **sampling)
         new = out[:, batch["input_ids"].shape[1]:]
         replies.extend(t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True))
-    return replies
+        cut += _cut(new.tolist(), eos)
+    return replies, cut
+
+
+def _cut(rows: list[list[int]], eos: list[int]) -> list[bool]:
+    """Which decoded rows hold no end token: stopped by the token cap (both decoders keep a row's end token,
+    then pad it with the pad token, or stop the row there)."""
+    ends = set(eos)
+    return [not ends.intersection(row) for row in rows]
 
 
 def decoder_for(model, static: bool = True) -> str:
@@ -82,14 +100,14 @@ def adapter_on(model, name: str):
 
 
 def replies_of(model, tokenizer, prompts: list[list[dict]], config, n: int = 1,
-               temperature: float | None = None) -> tuple[list[str], dict]:
+               temperature: float | None = None) -> tuple[list[str], list[bool], dict]:
     """Stage 05: the active model's replies with the config's decoding (`n` a prompt, in prompt order, at
-    `temperature` when given), and their speed (generation_speed)."""
+    `temperature` when given), whether each was cut at max_new_tokens, and their speed (generation_speed)."""
     started = time.perf_counter()
     decoding = {**config.decoding(), **({"temperature": temperature} if temperature is not None else {})}
-    replies = generate_replies(model, tokenizer, [p for p in prompts for _ in range(n)], config.max_new_tokens,
-                               config.batch_size, **decoding)
-    return replies, generation_speed(tokenizer, replies, time.perf_counter() - started)
+    replies, cut = replies_and_cuts(model, tokenizer, [p for p in prompts for _ in range(n)], config.max_new_tokens,
+                                    config.batch_size, **decoding)
+    return replies, cut, generation_speed(tokenizer, replies, time.perf_counter() - started)
 
 
 def generation_speed(tokenizer, texts: list[str], seconds: float) -> dict:

@@ -193,22 +193,25 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
     judge_head = " reward (mean) | win rate vs base [95% CI] | LC win rate [95% CI] |" if rewards else ""
     fluent = any("perplexity" in r for r in results.values())  # with a fluency model (common/verdict.py)
     fluency_head = " perplexity | perplexity vs SFT |" if fluent else ""
-    lines += ["*Looped*: a sentence or line of 5+ words said 3 or more times; *copied*: the share of a reply's "
+    lines += ["*Cut*: the share of replies that the token cap stopped before the model ended them (the decoder's "
+              "end token; n/a where the replies came from a run that did not record it); "
+              "*looped*: a sentence or line of 5+ words said 3 or more times; *copied*: the share of a reply's "
               f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies; "
               "*refused*: the share of replies that decline (\"I'm sorry, but I can't\", \"As an AI\", ...: "
               "common/watch.py REFUSAL_PATTERNS); *off-topic*: the share of replies less related to their "
               f"{nouns['premise']} (tf-idf cosine) than 90% of the {nouns['references']} are (about 0.10 for "
               "those by construction)."]
-    lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | looped | copied | "
+    lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | cut | looped | copied | "
               f"distinct-2 | refused | off-topic |{fluency_head}",
-              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" +
+              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" +
               (" --- | --- |" if fluent else "")]
     for name in names:
         r = results[name]
         judge = (f" {_fmt(r.get('reward_mean'))} | {_with_ci(r, 'win_rate_vs_base')} | "
                  f"{_with_ci(r, 'lc_win_rate_vs_base')} |") if rewards else ""
         lines.append(f"| {name} |{judge} {r['bleu4']:.2f} | {r['rouge1']:.3f} | {r['rouge2']:.3f} | "
-                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {_fmt(r.get('looped_share'))} | "
+                     f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {_fmt(r.get('cut_share'), 2)} | "
+                     f"{_fmt(r.get('looped_share'))} | "
                      f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} | {_fmt(r.get('refusal_share'))} | "
                      f"{_fmt(r.get('off_topic_share'))} |" +
                      (f" {_fmt(r.get('perplexity'), 1)} | {_fmt(r.get('perplexity_vs_sft'), 2)} |" if fluent else ""))

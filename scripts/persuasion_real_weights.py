@@ -15,7 +15,7 @@ and among them the highest training-judge reward averaged over base and SFT. `ri
 by how far their own reward rose: the mean of the last quarter of steps minus the first quarter's, in
 units of its standard error (the step-to-step sd), a training signal, never a test score.
 `summary` writes OUT_DIR/persuasion_real_weights.json: `models` (every model of the eval with `n`,
-looped_share, premise_copy_share, distinct_2, refusal_share, reply words, and per judge its reward and win rates vs
+looped_share, premise_copy_share, distinct_2, refusal_share, reply words, cut_share, and per judge its reward and win rates vs
 the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
 pairs beside both baselines), the verdict lines, each GRPO run's reward curve and the rise, and the
 plot persuasion_grpo_rewards.png.
@@ -137,6 +137,7 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
             "judges": {name: {"role": j["role"], "family": j.get("family"), **judge_on_test(paths.get(name), j)}
                        for name, j in judges.items()},
             "models": {m: {"n": results[m]["n"], **{k: results[m][k] for k in SHAPE},
+                           "cut_share": results[m].get("cut_share"),  # None: replies from before it was recorded
                            "bleu4": results[m]["bleu4"], "rougeL": results[m]["rougeL"],
                            "by_judge": {j: {k: v for k, v in results[m]["by_judge"][j].items() if k in KEYS}
                                         for j in judges}} for m in models},

@@ -72,8 +72,8 @@ def test_replies_from_scores_the_same_replies_under_a_new_judge(cmv):
     run = run_dir_of(run_stage("05_eval.py", "--config", EVAL, "--replies_from", cmv["eval"], "--reward_run",
                                cmv["reward"], "--judge_runs", cmv["new_judge"], "--runs_dir", cmv["runs"]))
     before, after = _lines(cmv["eval"] / "replies.jsonl"), _lines(run / "replies.jsonl")
-    assert [(r["id"], r["base"]["reply"], r["sft"]["reply"]) for r in after] == \
-        [(r["id"], r["base"]["reply"], r["sft"]["reply"]) for r in before]
+    assert [(r["id"], r["base"]["reply"], r["sft"]["reply"], r["sft"]["cut"]) for r in after] == \
+        [(r["id"], r["base"]["reply"], r["sft"]["reply"], r["sft"]["cut"]) for r in before]
     old, new = json.loads((cmv["eval"] / "eval.json").read_text()), json.loads((run / "eval.json").read_text())
     judge = cmv["new_judge"].name
     assert new["judges"][judge]["role"] == "held_out"
@@ -81,7 +81,7 @@ def test_replies_from_scores_the_same_replies_under_a_new_judge(cmv):
         j = new[model]["by_judge"][judge]
         assert 0 <= j["win_rate_vs_base_ci95"][0] <= j["win_rate_vs_base"] <= j["win_rate_vs_base_ci95"][1] <= 1
         # the same replies under the same training judge: the same scores, the same text metrics
-        for key in ("reward_mean", "win_rate_vs_base", "bleu", "rougeL", "generation"):
+        for key in ("reward_mean", "win_rate_vs_base", "bleu", "rougeL", "generation", "cut_share"):
             assert new[model][key] == old[model][key], (model, key)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["inputs"]["replies_from"]["run_name"] == cmv["eval"].name

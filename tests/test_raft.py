@@ -51,6 +51,7 @@ def test_best_of_n_with_the_greedy_reply_always_has_a_fluent_candidate(pairs_run
     for _, row in [(None, json.loads(line)) for line in (picks / "replies.jsonl").read_text().splitlines()]:
         best = row["best_of_n"]
         assert len(best["candidates"]) == 3 and best["candidates"][0] == row["base"]["reply"]
+        assert best["candidate_cut"][0] == row["base"]["cut"]  # the greedy candidate's flag is its reply's
         assert best["candidate_passed"][0] is True  # the bar is its own log-prob: a pick never falls back
         ok = [c for c, passed in zip(best["candidates"], best["candidate_passed"]) if passed]
         assert best["reply"] == max(ok, key=lambda c: len(c.split()))

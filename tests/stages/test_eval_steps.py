@@ -98,6 +98,7 @@ def test_eval_json_says_what_the_replies_and_their_scores_give(two_evals):
         for key, value in want.items():
             assert results[m][key] == pytest.approx(value, nan_ok=True), (m, key)
         assert results[m]["by_judge"][judge]["win_rate_vs_base"] == results[m]["win_rate_vs_base"]
+        assert results[m]["cut_share"] == pytest.approx(sum(r[m]["cut"] for r in rows) / len(rows)), m
     for r in rows:  # best-of-n keeps its scorer's favourite among the candidates that passed the gate
         best = r["best_of_n"]
         ok = [j for j, passed in enumerate(best["candidate_passed"]) if passed]
@@ -105,3 +106,4 @@ def test_eval_json_says_what_the_replies_and_their_scores_give(two_evals):
             max(range(len(best["candidates"])), key=lambda j: -math.inf if best["candidate_log_probs"][j] is None
             else best["candidate_log_probs"][j])
         assert best["reply"] == best["candidates"][pick] and best["reward"] == pytest.approx(best["candidate_scores"][pick])
+        assert best["cut"] == best["candidate_cut"][pick]

@@ -178,7 +178,7 @@ def test_replies_read_back_from_a_review_eval_give_its_ratings_again(chain):
     run = SimpleNamespace(config=SimpleNamespace(replies_from=str(source)), manifest={"inputs": {}},
                           inputs={"replies_from": check_input("replies_from", source)})
     premises = one_per_group(load_split(chain["pairs"], "test"))[:4]
-    replies, readouts, _ = read_replies(run, premises, review)
+    replies, readouts, _, _ = read_replies(run, premises, review)
     results = review.evaluate(premises, replies, train=load_split(chain["pairs"], "train"), readouts=readouts,
                               rating=None, seed=42).metrics
     saved = json.loads((source / "eval.json").read_text())
