@@ -16,7 +16,8 @@
 # and any others; blank and # lines skipped), e.g. `mpnet_pairwise --config configs/qwen-gpu/X.yaml`.
 # `NAME+LEVER` (e.g. `minilm_pairwise+corruptions ... --corruptions ...`) is NAME with one lever more:
 # the levers table gives what it added over NAME. BUILTIN=0 runs only the file's candidates (and the
-# ensembles). ENSEMBLE_SIZES (default "2 3"; empty: none).
+# ensembles). ENSEMBLE_SIZES (default "2 3"; empty: none). TWO_JUDGE_ENSEMBLE=0 leaves out the ensemble of the
+# two best (scripts/judge_ensemble.py), for a sweep whose candidates were measured already.
 # RECIPE_03: the stage-03 recipe folder (default configs/smol-gpu; the test runs configs/tiny);
 # PAIRS_CONFIG: the stage-01 recipe (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a
 # finished period pairs run to start from instead; MINILM: the encoder (a folder with config.json and
@@ -70,9 +71,12 @@ wait_for_all --allow_failures  # a candidate that fails is named (its log's end)
 judges=()
 for name in "${!CANDIDATES[@]}"; do [[ -s "$LOGS/$name.dir" ]] && judges+=("$name=$(cat "$LOGS/$name.dir")"); done
 (( ${#judges[@]} )) || { echo "error: no judge candidate finished (logs in $LOGS)" >&2; exit 1; }
-best2=$("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
-mapfile -t two <<<"$best2"
-"$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
+two_judges=()  # TWO_JUDGE_ENSEMBLE=0: no ensemble of the two best (it loads both judges; a minute of a GPU machine)
+if [[ ${TWO_JUDGE_ENSEMBLE:-1} == 1 ]]; then
+  mapfile -t two < <("$PY" scripts/judges_later_posts.py best2 "${judges[@]}")
+  "$PY" scripts/judge_ensemble.py "${two[@]}" --out "$SUMMARY_DIR/judges_later_posts_ensemble.json"
+  two_judges=(--ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json")
+fi
 # Conservative ensembles of the k best single judges on dev_later, as stage-03 runs (04 and 05 take them).
 ensembles=()
 for k in ${ENSEMBLE_SIZES-2 3}; do
@@ -89,8 +93,8 @@ wait_for_all --allow_failures
 failed=("${FAILED[@]}")
 singles=("${judges[@]}")
 for name in "${ensembles[@]}"; do [[ -s "$LOGS/$name.dir" ]] && judges+=("$name=$(cat "$LOGS/$name.dir")"); done
-"$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" \
-  --ensemble "$SUMMARY_DIR/judges_later_posts_ensemble.json" ${failed[@]:+--failed "${failed[@]}"}
+"$PY" scripts/judges_later_posts.py summary "$SUMMARY_DIR" "${judges[@]}" "${two_judges[@]}" \
+  ${failed[@]:+--failed "${failed[@]}"}
 echo "judges on later posts finished in $(( $(date +%s) - start )) s; pairs run: $pairs"
 echo "summary: $(cd "$SUMMARY_DIR" && pwd)/judges_later_posts.json"
 "$PY" scripts/judges_later_posts.py best "${singles[@]}"

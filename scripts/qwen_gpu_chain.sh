@@ -19,7 +19,7 @@
 #      skips them), and the writers' base replies' perplexity under Gemma-3-270M (scripts/reply_fluency.py)
 # RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
 # whole judge sweep was measured already: BUILTIN=0 CANDIDATES_FILE=configs/qwen-gpu/judges_practice_candidates.txt
-# ENSEMBLE_SIZES= MODELS="qwen15 gemma270 smol" (three candidates, one wave beside SFT).
+# ENSEMBLE_SIZES= TWO_JUDGE_ENSEMBLE=0 MODELS="qwen15 gemma270 smol" (three candidates, one wave beside SFT).
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, each stage's seconds from scripts/demo_lib.sh's timeline, peak GPU
 # memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"

@@ -29,9 +29,10 @@ CANDIDATES = ("features", "minilm_pairwise", "minilm_pairwise_premise256", "mini
 
 
 @pytest.mark.stage
-def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path):
+@pytest.mark.parametrize("two_judge_ensemble", ["1", "0"])
+def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path, two_judge_ensemble):
     """The script's chain with stand-ins for the stages: the two best judges on dev_later reach the ensemble
-    whole, and the best is printed whole."""
+    whole (none with TWO_JUDGE_ENSEMBLE=0, and the summary then reads none), and the best is printed whole."""
     runs = tmp_path / "my runs"
     for k, name in enumerate(CANDIDATES):
         _judge_dir(runs / f"Judge_{name}", (k + 1) / 10)
@@ -40,16 +41,24 @@ def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path):
 case $1 in
   01_build_pairs.py) echo "run_dir: $RUNS_DIR/pairs run" ;;
   03_train_reward.py) while [[ $1 != --run_name ]]; do shift; done; echo "run_dir: $RUNS_DIR/$2" ;;
-  scripts/judges_later_posts.py) if [[ $2 == best* ]]; then exec "{sys.executable}" "$@"; fi ;;
+  scripts/judges_later_posts.py) if [[ $2 == best* ]]; then exec "{sys.executable}" "$@"; fi
+                                 [[ $2 == summary ]] && printf '%s\n' "${{@:3}}" > "{tmp_path}/summary_args" ;;
   scripts/judge_ensemble.py) printf '%s\\n' "${{@:2}}" > "{tmp_path}/ensemble_args" ;;
 esac
 """)
     fake.chmod(0o755)
-    env = {**os.environ, "PY": str(fake), "RUNS_DIR": str(runs), "RECIPE_03": "configs/tiny"}
+    env = {**os.environ, "PY": str(fake), "RUNS_DIR": str(runs), "RECIPE_03": "configs/tiny",
+           "TWO_JUDGE_ENSEMBLE": two_judge_ensemble}
     proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "ensemble_args").read_text().splitlines()[:2] == [
-        str(runs / "Judge_smollm2_decoder_lr3e-4"), str(runs / "Judge_smollm2_decoder")]
+    summary_args = (tmp_path / "summary_args").read_text().splitlines()
+    if two_judge_ensemble == "1":
+        assert (tmp_path / "ensemble_args").read_text().splitlines()[:2] == [
+            str(runs / "Judge_smollm2_decoder_lr3e-4"), str(runs / "Judge_smollm2_decoder")]
+        assert summary_args[-2:] == ["--ensemble", str(runs / "judges_later_posts_ensemble.json")]
+    else:
+        assert not (tmp_path / "ensemble_args").exists() and "--ensemble" not in summary_args
+        assert summary_args[0] == str(runs) and all("=" in arg for arg in summary_args[1:])  # the folder, the judges
     assert proc.stdout.strip().splitlines()[-1] == f"best: smollm2_decoder_lr3e-4 {runs / 'Judge_smollm2_decoder_lr3e-4'}"
 
 
