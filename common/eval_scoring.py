@@ -57,12 +57,12 @@ def fluency_scores(config, run, prompts, replies: dict, candidates, human: list[
                                "human_replies": yardstick}
     if not candidates:
         return log_probs, None
-    flat = fluency.score([p for p, c in zip(prompts, candidates) for _ in c], [t for c in candidates for t in c])
-    groups, start = [], 0
-    for group in candidates:  # n a premise, n + 1 with the greedy reply
-        groups.append(flat[start:start + len(group)])
-        start += len(group)
-    return log_probs, groups
+    # A candidate already scored (the greedy reply best_of_n_with_greedy adds; a sample equal to a model's
+    # reply or to another sample) keeps that score: scored once, so the greedy reply meets its own bar exactly.
+    known = {(i, text): lp for name, texts in replies.items() for i, (text, lp) in enumerate(zip(texts, log_probs[name]))}
+    todo = list(dict.fromkeys((i, text) for i, group in enumerate(candidates) for text in group if (i, text) not in known))
+    known.update(zip(todo, fluency.score([prompts[i] for i, _ in todo], [text for _, text in todo])))
+    return log_probs, [[known[(i, text)] for text in group] for i, group in enumerate(candidates)]
 
 
 def shared_metrics(task, premises: list[dict], replies: dict, speed: dict, log_probs: dict | None,

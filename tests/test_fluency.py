@@ -39,3 +39,30 @@ def test_perplexity_of_fixed_log_probs():
     assert perplexity([-1.0, -3.0]) == math.exp(2.0)
     assert perplexity([math.nan, -2.0]) == math.exp(2.0)
     assert math.isnan(perplexity([]))
+
+
+def test_best_of_n_candidates_already_scored_are_not_scored_again(tiny_model, monkeypatch):
+    """05's fluency_scores: the greedy reply among the candidates (best_of_n_with_greedy) and a repeated sample
+    keep the score they have, so the greedy reply meets its own bar exactly; only the new texts are scored."""
+    from types import SimpleNamespace
+
+    from common import eval_scoring
+    real = FluencyScorer(tiny_model, batch_size=2)
+    asked = []
+
+    class Counting:
+        backends = real.backends
+
+        def score(self, prompts, replies):
+            asked.extend(replies)
+            return real.score(prompts, replies)
+
+    monkeypatch.setattr(eval_scoring, "load_scorer", lambda *a, **k: Counting())
+    config = SimpleNamespace(fluency_model_name_or_path=str(tiny_model), batch_size=2, model_name_or_path=str(tiny_model))
+    greedy = [REPLY, "Density decides it."]
+    candidates = [[REPLY, salad(REPLY), salad(REPLY)], ["Density decides it.", "Buses need riders."]]
+    log_probs, groups = eval_scoring.fluency_scores(config, SimpleNamespace(manifest={}), [[]] * 2, {"sft": greedy},
+                                                    candidates, ["a human reply", "another one"])
+    assert asked == [*greedy, "a human reply", "another one", salad(REPLY), "Buses need riders."]
+    assert [g[0] for g in groups] == log_probs["sft"] and groups[0][1] == groups[0][2]
+    assert groups[1][1] == pytest.approx(real.score([[]], ["Buses need riders."])[0])
