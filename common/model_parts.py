@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -165,10 +166,15 @@ fi
 
 def pack(kind: str, split: Split, cache: Path, out: Path, piece_bytes: int = PIECE_BYTES,
          offline: bool = False) -> list[Path]:
-    """`out/m0`, `out/m1`, ...: each a piece of the joined file (at most `piece_bytes`) and `append.sh`."""
+    """`out/m0`, `out/m1`, ...: each a piece of the joined file (at most `piece_bytes`) and `append.sh`; the
+    pieces of an earlier pack in `out` are removed first (a piece left over from a finer cut would append
+    bytes at the wrong place)."""
     joined = assemble(split, cache, offline)
     count = -(-split.size // piece_bytes)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("m*"):
+        if old.name[1:].isdigit() and (old / "append.sh").is_file():
+            shutil.rmtree(old)
     folders = []
     with open(joined, "rb") as src, _progress(split.size, f"pack {split.joined}") as bar:
         for index in range(count):

@@ -197,6 +197,15 @@ def test_pack_and_append_round_trip(fake, tmp_path):
     assert (out / "model.safetensors").read_bytes() == (TINY / "model.safetensors").read_bytes()
 
 
+def test_a_coarser_pack_leaves_no_piece_of_a_finer_one(fake, tmp_path):
+    spec, payload, cache = fake
+    pack("fake", spec.split, cache, tmp_path / "payload", piece_bytes=len(payload) // 3 + 1)
+    (tmp_path / "payload" / "notes").mkdir()  # not a piece: kept
+    folders = pack("fake", spec.split, cache, tmp_path / "payload", piece_bytes=len(payload) // 2 + 1)
+    assert sorted(p.name for p in (tmp_path / "payload").iterdir()) == ["m0", "m1", "notes"] == \
+        sorted([f.name for f in folders] + ["notes"])
+
+
 def test_pack_refuses_a_piece_that_was_altered_in_transit(fake, tmp_path):
     spec, payload, cache = fake
     folders = pack("fake", spec.split, cache, tmp_path / "payload", piece_bytes=len(payload) // 2 + 1)
