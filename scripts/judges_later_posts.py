@@ -299,7 +299,8 @@ def main(argv=None) -> None:
         name, run = best(args.judges)
         print(f"best: {name} {run}")
     elif args.command == "families":
-        print("\n".join(f"{name} {run} {fam}" for name, run, fam in families(args.judges, args.not_of)))
+        for name, run, fam in families(args.judges, args.not_of):  # no line at all where no other family is
+            print(f"{name} {run} {fam}")
     elif args.command == "add_lever":
         add_lever(args.out_dir, args.lever, args.judge, args.against)
     else:

@@ -20,9 +20,13 @@
 # RESUME=1 PAIRS_RUN=<its pairs run> goes on from a chain that stopped (scripts/demo_lib.sh). Where the
 # whole judge sweep was measured already: BUILTIN=0 CANDIDATES_FILE=configs/qwen-gpu/judges_practice_candidates.txt
 # ENSEMBLE_SIZES= TWO_JUDGE_ENSEMBLE=0 MODELS="qwen15 gemma270 smol" (three candidates, one wave beside SFT).
+# RECIPE, PAIRS_CONFIG, SMOL_RECIPE and FLUENCY_MODEL name the recipes and the fluency LM (the CPU test runs the
+# tiny ones; MODELS= builds none).
 # Writes RUNS_DIR/qwen_gpu_chain.json (times, each stage's seconds from scripts/demo_lib.sh's timeline, peak GPU
 # memory, generate tokens/s, perplexities).
 source "$(dirname "$0")/demo_lib.sh"
+RECIPE=${RECIPE:-configs/qwen-gpu} PAIRS_CONFIG=${PAIRS_CONFIG:-configs/qwen-gpu/01_build_pairs.yaml}
+SMOL_RECIPE=${SMOL_RECIPE:-configs/smol-gpu}  # SmolLM2's base replies, beside the writer's
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
 export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
   ENSEMBLE_SIZES=${ENSEMBLE_SIZES-2} CROSSFIT=${CROSSFIT:-0} FROM_BASE=${FROM_BASE:-0} \
@@ -39,21 +43,22 @@ t0=$(date +%s)
 # MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 24 fewer pieces to carry)
 declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct
                        [qwen05]=qwen2.5-coder-0.5b-instruct [mpnet]=all-mpnet-base-v2)
-for kind in ${MODELS:-qwen15 gemma270 qwen05 mpnet smol}; do
+for kind in ${MODELS-qwen15 gemma270 qwen05 mpnet smol}; do
   offline=(--offline); [[ $kind == smol ]] && offline=()  # SmolLM2 comes with the wheels' install
   "$PY" -m common.local_models "$kind" --out ".cache/models/${MODEL_DIRS[$kind]}" "${offline[@]}" >&2
 done
 built=$(( $(date +%s) - t0 ))
 # the GPU's peak memory, sampled every 5 s while the chain runs
-( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done ) > "$LOGS/gpu_memory.txt" &
+( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null || true; done ) \
+  > "$LOGS/gpu_memory.txt" &
 sampler=$!
 t1=$(date +%s)
 # a practice stage that failed fails the chain, but what was evaluated is still measured below
 rc=0
-RECIPE=configs/qwen-gpu PAIRS_CONFIG=configs/qwen-gpu/01_build_pairs.yaml SUMMARY_DIR=$RUNS_DIR LOGS=$LOGS \
+RECIPE=$RECIPE PAIRS_CONFIG=$PAIRS_CONFIG SUMMARY_DIR=$RUNS_DIR LOGS=$LOGS \
   bash scripts/persuasion_real_weights.sh > "$LOGS/chain.out" 2> "$LOGS/chain.err" || rc=$?
 chain=$(( $(date +%s) - t1 ))
-kill "$sampler"
+kill "$sampler" 2>/dev/null || true
 evalrun=$(grep -o 'run_dir: [^ ]*_Eval_Run[0-9]*' "$LOGS/chain.err" "$LOGS/chain.out" | tail -1 | sed 's/.*run_dir: //')
 [[ -n $evalrun && -f $evalrun/DONE ]] || { echo "error: the persuasion chain evaluated nothing (rc $rc; $LOGS/chain.err)" >&2; exit 1; }
 failed=$(grep -o 'stage(s) failed: .*' "$LOGS/chain.err" | tail -1 | cut -d' ' -f3- || true)
@@ -65,11 +70,11 @@ print(f\"--temperature {d['temperature']} --repetition_penalty {d['repetition_pe
 writers=("qwen:$evalrun") smol=""
 if [[ ${SMOL_BASE:-1} == 1 ]]; then
   # shellcheck disable=SC2086
-  smol=$(stage 05_eval.py --config configs/smol-gpu/05_eval.yaml --pairs_run "$pairs" $decoding --run_name SmolBase_Eval)
+  smol=$(stage 05_eval.py --config "$SMOL_RECIPE/05_eval.yaml" --pairs_run "$pairs" $decoding --run_name SmolBase_Eval)
   writers+=("smol:$smol")
 fi
 for w in "${writers[@]}"; do
-  "$PY" scripts/reply_fluency.py "${w#*:}/replies.jsonl" .cache/models/gemma-3-270m --premises 1000 \
+  "$PY" scripts/reply_fluency.py "${w#*:}/replies.jsonl" "$FLUENCY_MODEL" --premises 1000 \
     --models base > "$LOGS/fluency_${w%%:*}.json"
 done
 "$PY" - "$RUNS_DIR/qwen_gpu_chain.json" "$evalrun" "$smol" "$LOGS" "$built" "$chain" "$rc" "$failed" <<'PY'
