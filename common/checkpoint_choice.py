@@ -81,7 +81,7 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
     saves it as adapter/). Returns metrics.json's `checkpoint_choice`."""
     from common.data import fit_prompt, load_split, one_per_group
     from common.fluency import FluencyScorer
-    from common.generation import generate_replies
+    from common.generation import replies_and_cuts
     from common.model import resolve_model_path
     from common.scorers import load_scorer
     rows = one_per_group(load_split(run.pairs_run, "dev"))[: config.checkpoint_eval_premises]
@@ -94,15 +94,18 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
     curve = []
     for step in saved_steps(run.dir):
         load_step(policy, run.dir, step)
-        replies = generate_replies(policy, tokenizer, prompts, config.max_completion_length,
-                                   config.rollout_batch_size, temperature=0.0, weights=config.rollout_weights,
-                                   static=config.fast_paths and config.rollout_backend == "static")
+        replies, cut = replies_and_cuts(policy, tokenizer, prompts, config.max_completion_length,
+                                        config.rollout_batch_size, temperature=0.0, weights=config.rollout_weights,
+                                        static=config.fast_paths and config.rollout_backend == "static")
         by_judge = {f"{j.name}" if j is not training_judge else "judge": _mean(j.score(prompts, replies))
                     for j in judges}
         curve.append({"step": step, "judges": by_judge, "judge_mean": _mean(list(by_judge.values())),
-                      "fluency": _mean(fluency.score(prompts, replies))})
-        log.info("checkpoint step %d on %d dev premises: judges %s, fluency %.3f", step, len(prompts), by_judge,
-                 curve[-1]["fluency"])
+                      "fluency": _mean(fluency.score(prompts, replies)),
+                      # what the guard and the cap see: a drop in length that is the policy learning to finish
+                      "reply_words_mean": _mean([len(r.split()) for r in replies]), "cut_share": _mean(cut)})
+        log.info("checkpoint step %d on %d dev premises: judges %s, fluency %.3f, %.0f words, %.0f%% cut at the cap",
+                 step, len(prompts), by_judge, curve[-1]["fluency"], curve[-1]["reply_words_mean"],
+                 100 * curve[-1]["cut_share"])
     chosen = choose(curve, config.fluency_tolerance)
     load_step(policy, run.dir, chosen)
     policy.train()

@@ -175,6 +175,7 @@ def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
     assert choice["dev_judge_families"] == ["llama", None] and choice["warning"] is None
     for c in choice["curve"]:
         assert set(c["judges"]) == {"judge", "shorter"} and c["fluency"] < 0
+        assert 0 <= c["cut_share"] <= 1 and c["reply_words_mean"] > 0
     kept = load_file(run / "adapter" / "adapter_model.safetensors")
     chosen = load_file(run / "steps" / f"step-{choice['chosen_step']}" / "adapter_model.safetensors")
     assert kept.keys() == chosen.keys() and all((kept[k] == chosen[k]).all() for k in kept)
