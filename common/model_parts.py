@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHUNK = 1 << 20
-PIECE_BYTES = 40_000_000  # one packed piece: the repo (~20 MB) and a piece fit the 64 MiB a GPU call carries
+PIECE_BYTES = 44_000_000  # one packed piece: the tree (~21 MB) and a piece fit the 64 MiB (67.1 MB) a GPU call carries
 
 
 class PartError(Exception):
