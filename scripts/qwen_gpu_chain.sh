@@ -40,7 +40,7 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
 export MAX_JOBS=${MAX_JOBS:-$(( ${gpu_mib:-0} >= 17920 ? ${gpu_mib:-0} / 17920 : 8 ))}
 t0=$(date +%s)
-# MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 24 fewer pieces to carry)
+# MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 22 fewer pieces to carry)
 declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct
                        [qwen05]=qwen2.5-coder-0.5b-instruct [mpnet]=all-mpnet-base-v2)
 for kind in ${MODELS-qwen15 gemma270 qwen05 mpnet smol}; do
