@@ -387,3 +387,20 @@ def test_generate_speed_times_both_decoders_on_the_same_posts(tiny_model, tmp_pa
     agree = row["agreement"]
     assert 0 < agree["equal_share"] <= agree["mean_matching_prefix"] <= 1, agree
     assert set(row["sample"]) == {"static", "hf_generate"}
+
+
+@pytest.mark.slow
+def test_the_steps_per_generation_rows_run_on_the_tiny_model(tmp_path):
+    """`bench.py --sections grpo --rows 'grpo ours spg*' --grpo_steps_per_generation 4,8`, the GPU's command,
+    on the tiny model: one row a value, each generation batch feeding that many micro-batches."""
+    import subprocess
+    proc = subprocess.run([sys.executable, "bench/bench.py", "--tiny", "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work"), "--sections", "grpo", "--rows", "grpo ours spg*",
+                           "--grpo_steps_per_generation", "4,8", "--deadline", "900"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [(r["name"], r["steps_per_generation"]) for r in rows] == [("grpo_ours_spg_4", 4), ("grpo_ours_spg_8", 8)]
+    # the generation batch is one micro-batch times steps_per_generation: twice as large at 8 as at 4
+    assert rows[1]["generation_batch"] == 2 * rows[0]["generation_batch"] > 0
+    assert all(r["seconds_per_step"] > 0 and r["steps_timed"] >= 1 for r in rows)
