@@ -232,7 +232,11 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
     could not be captured fell back to eager decoding steps (slower, the same tokens): recorded."""
     run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)
     results, judges = scores.results, panel.info
-    for name, decided in (decide(results, judges, config, scores.log_probs is not None) if judges else {}).items():
+    # a held-out judge of a family a model practised against does not count for it
+    practised = eval_inputs.practised_against(run, adapters, judges, (run.manifest.get("best_of_n") or {}).get(
+        "scorer") if "best_of_n" in results else None)
+    for name, decided in (decide(results, judges, config, scores.log_probs is not None, practised)
+                          if judges else {}).items():
         results[name]["verdict"] = decided
     judge_info = {"judges": judges} if judges else {}
     write_json(run.dir / "eval.json", {**results, **report.baselines, **judge_info})

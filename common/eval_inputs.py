@@ -31,6 +31,7 @@ from common.data import (
 from common.report import md, md_code
 from common.runs import RunError, check_input
 from common.tasks.protocol import options as task_options
+from common.verdict import UNKNOWN, scorer_families
 
 # What made a finished eval run's replies and what they answer: --replies_from takes them from that
 # run, so that the replies are scored against the premises and references they were written for.
@@ -200,6 +201,31 @@ def judges_trained_against(run) -> dict[str, list[str]]:
             if theirs.get("sha256") == digest:
                 out[name].append(Path(path).name)
     return out
+
+
+def practised_against(run, adapters: dict, judges: dict, best_of_n_scorer: str | None) -> dict[str, list[str]]:
+    """{model: the families of the judges it practised against}: a GRPO policy's reward run (by its path, or
+    by digest among this run's judges: `trained_against_by`), a RAFT model's picker (its targets' best-of-n
+    scorer) and best_of_n's (`best_of_n_scorer`). The verdict does not count held-out judges of those
+    families for it (common/verdict.py)."""
+    out = {}
+    for i, path in enumerate(run.config.policy_runs):
+        recorded = run.inputs[f"policy_runs[{i}]"]
+        model = next(name for name, folder in adapters.items() if folder == Path(path) / "adapter")
+        reward_run = ((recorded.get("inputs") or {}).get("reward_run") or {}).get("path")
+        out[model] = scorer_families(reward_run) | scorer_families((recorded.get("targets_from") or {}).get("scorer"))
+    for info in judges.values():
+        for name in info.get("trained_against_by", []):
+            for model, folder in adapters.items():
+                if folder.parent.name == name:
+                    out[model] = out.get(model, set()) | {info.get("family", UNKNOWN)}
+    if best_of_n_scorer:
+        out["best_of_n"] = scorer_families(best_of_n_scorer)
+    if run.config.replies_from:  # the source's record, for what this run cannot trace (its models' runs)
+        for model, r in read_json(Path(run.config.replies_from) / "eval.json").items():
+            recorded = (r.get("verdict") or {}).get("practised_against") if isinstance(r, dict) else None
+            out[model] = out.get(model, set()) | set(recorded or ())
+    return {model: sorted(families - {UNKNOWN}) for model, families in out.items() if families - {UNKNOWN}}
 
 
 def other_sft_lines(others: dict, sft_run) -> list[str]:

@@ -10,6 +10,9 @@ spots, and none of them reads for fluency. So a gain holds only when
   (`fluency_model_name_or_path`, common/fluency.py) at most `fluency_max_perplexity_ratio` times the
   reference's, distinct-2 within `fluency_max_distinct2_gap` of it, and the looped share at most
   `fluency_max_looped_rise` above it.
+A model that practised against a judge (a GRPO policy's reward run, RAFT's and best-of-n's picker) may have
+learned that judge's blind spots, which judges of its family share: for that model a held-out judge of that
+family is not counted among the two.
 Without a fluency model nothing holds: the verdict says fluency was not checked.
 """
 from __future__ import annotations
@@ -43,6 +46,21 @@ def judge_family(config) -> str:
     if config.judge_backbone == "features":
         return "features"
     return model_family(config.judge_model_name_or_path or config.model_name_or_path)
+
+
+def scorer_families(spec: str | None) -> set[str]:
+    """The families of the judge a scorer spec (`run:PATH`, or a run's folder) names: a judge run's, an
+    ensemble's members'; none for a function or a run that cannot be read here."""
+    path = (spec or "").removeprefix("run:")
+    if not path or not (Path(path) / "config.yaml").is_file():
+        return set()
+    from common.config import RewardStageConfig, load_run_config
+    config = load_run_config(path)
+    if not isinstance(config, RewardStageConfig):
+        return set()
+    if config.judge_backbone == "ensemble":
+        return set().union(*(scorer_families(member) for member in config.ensemble_of))
+    return {judge_family(config)}
 
 
 def families_of(configs) -> str:
@@ -93,28 +111,35 @@ def fluency_failures(r: dict, ref: dict, ref_name: str, gate) -> list[str]:
     return failed
 
 
-def judged(r: dict, judges: dict, key: str) -> dict | None:
+def judged(r: dict, judges: dict, key: str, practised: set[str] = frozenset()) -> dict | None:
     """What the held-out judges say of one comparison (`key`: win_rate_vs_base or win_rate_vs_sft): the
-    judges and the families that put its interval above 0.5, and whether two or more families do."""
+    judges and the families that put its interval above 0.5, and whether two or more families do; the
+    families the model `practised` against do not count (`not_counted`)."""
     held_out = {n: j for n, j in judges.items() if j["role"] == "held_out"}
     scored = {n: r.get("by_judge", {}).get(n, {}) for n in held_out}
     if not any(key in s for s in scored.values()):
         return None
     see = [n for n, s in scored.items() if key in s and s[f"{key}_ci95"][0] > 0.5]
-    families = sorted({held_out[n].get("family", UNKNOWN) for n in see} - {UNKNOWN})
-    return {"holds": len(families) >= 2, "judges": see, "families": families}
+    seen = {held_out[n].get("family", UNKNOWN) for n in see} - {UNKNOWN}
+    families = sorted(seen - set(practised))
+    return {"holds": len(families) >= 2, "judges": see, "families": families,
+            **({"not_counted": sorted(seen & set(practised))} if seen & set(practised) else {})}
 
 
-def decide(results: dict, judges: dict, gate, fluency_checked: bool) -> dict[str, dict]:
+def decide(results: dict, judges: dict, gate, fluency_checked: bool,
+           practised: dict[str, list[str]] | None = None) -> dict[str, dict]:
     """Every model but the base: {"holds", "vs_base", "vs_sft", "reference", "reasons"}. `holds` is the
     gain over its reference (SFT; for SFT and without SFT, the base): held-out judges of two families
-    and the fluency gate. `reasons` say, with figures, each check that failed."""
+    (not counting those of `practised[model]`, the families of the judges it practised against) and the
+    fluency gate. `reasons` say, with figures, each check that failed."""
     out = {}
     for model, r in results.items():
         ref = reference_of(model, results)
         if ref is None:
             continue
-        vs = {other: judged(r, judges, f"win_rate_vs_{other}") if other != model else None for other in ("base", "sft")}
+        mine = set((practised or {}).get(model, ()))
+        vs = {other: judged(r, judges, f"win_rate_vs_{other}", mine) if other != model else None
+              for other in ("base", "sft")}
         main = vs[ref]
         reasons = []
         if not any(j["role"] == "held_out" for j in judges.values()):
@@ -124,15 +149,19 @@ def decide(results: dict, judges: dict, gate, fluency_checked: bool) -> dict[str
         elif not main["judges"]:
             reasons.append(f"judges: no held-out judge puts its win rate over {ref} above 0.5")
         elif not main["holds"]:
-            family = ", ".join(main["families"]) or UNKNOWN
-            reasons.append(f"judges: only judges of one family ({family}) see it ({', '.join(main['judges'])})")
+            said = (f"only judges of one family ({main['families'][0]}) see it" if main["families"] else
+                    "no judge of a family it did not practise against sees it" if main.get("not_counted") else
+                    f"only judges of one family ({UNKNOWN}) see it")
+            uncounted = (f"; {', '.join(main['not_counted'])} not counted: it practised against a judge of that "
+                         f"family" if main.get("not_counted") else "")
+            reasons.append(f"judges: {said} ({', '.join(main['judges'])}){uncounted}")
         if fluency_checked:
             reasons += fluency_failures(r, results[ref], ref, gate)
         else:
             reasons.append("fluency not checked (no fluency_model_name_or_path)")
             reasons += fluency_failures({**r, "perplexity": None}, results[ref], ref, gate)
         out[model] = {"holds": not reasons, "reference": ref, "vs_base": vs["base"], "vs_sft": vs["sft"],
-                      "reasons": reasons}
+                      "reasons": reasons, **({"practised_against": sorted(mine)} if mine else {})}
     return out
 
 

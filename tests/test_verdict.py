@@ -68,6 +68,23 @@ def test_a_gain_two_families_see_that_passes_fluency_holds():
                                                                  "MiniLM2 (bert): vs base 0.80 [0.70, 0.90]")
 
 
+def test_a_family_the_model_practised_against_does_not_count():
+    # MiniLM2 and Smol see the gain: two families, but the policy trained against a bert judge
+    results = _results(_model({"Train": WIN, "MiniLM2": WIN, "MiniLM3": EVEN, "Smol": WIN}, perplexity=11.0))
+    verdicts = decide(results, JUDGES, GATE, fluency_checked=True, practised={"grpo": ["bert"]})
+    grpo = verdicts["grpo"]
+    assert not grpo["holds"] and grpo["practised_against"] == ["bert"]
+    assert grpo["vs_sft"] == {"holds": False, "judges": ["MiniLM2", "Smol"], "families": ["llama"],
+                              "not_counted": ["bert"]}
+    assert grpo["reasons"] == ["judges: only judges of one family (llama) see it (MiniLM2, Smol); bert not counted: "
+                               "it practised against a judge of that family"]
+    assert verdicts["sft"]["holds"] and "practised_against" not in verdicts["sft"]  # SFT never met the judge
+    # only judges of the family it practised against see it
+    results = _results(_model({"Train": WIN, "MiniLM2": WIN, "MiniLM3": WIN, "Smol": EVEN}, perplexity=11.0))
+    (reason,) = decide(results, JUDGES, GATE, fluency_checked=True, practised={"grpo": ["bert"]})["grpo"]["reasons"]
+    assert reason.startswith("judges: no judge of a family it did not practise against sees it (MiniLM2, MiniLM3)")
+
+
 def test_without_a_fluency_model_nothing_holds_and_loops_still_count():
     results = _results(_model(dict.fromkeys(JUDGES, WIN), perplexity=None, looped_share=0.1))
     verdict = decide(results, JUDGES, GATE, fluency_checked=False)["grpo"]

@@ -4,6 +4,8 @@ opens the report."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -162,6 +164,9 @@ def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
         verdict = results[model]["verdict"]
         assert not verdict["holds"] and "fluency not checked (no fluency_model_name_or_path)" in verdict["reasons"]
     assert any(line.startswith("Fluency was not checked") for line in metrics["verdict"])
+    # GRPO's reward and best-of-n's picker were the (llama) training judge: a llama judge does not count for them
+    assert [results[m]["verdict"].get("practised_against") for m in ("sft", "grpo_from_base", "dpo_from_base",
+                                                                       "best_of_n")] == [None, ["llama"], None, ["llama"]]
     report = (from_base["eval"] / "report.md").read_text()
     head = report.split("## Verdict", 1)
     assert len(head) == 2 and "| model |" not in head[0]  # the verdict comes before any table
@@ -183,3 +188,14 @@ def test_a_cut_reply_carries_no_gradient_with_mask_truncated_completions(tmp_pat
         assert f"mask_truncated_completions: {mask}" in (run / "config.yaml").read_text()
         grad[mask] = [h["grad_norm"] for h in logged]
     assert all(g == 0 for g in grad["true"]) and all(g > 0 for g in grad["false"]), grad
+
+
+@pytest.mark.stage
+def test_raft_practised_against_its_targets_picker(from_base):
+    from common.eval_inputs import practised_against
+    run = SimpleNamespace(config=SimpleNamespace(policy_runs=["r/RAFT", "r/DPO"], replies_from=None), inputs={
+        "policy_runs[0]": {"stage": "SFT", "targets_from": {"scorer": f"run:{from_base['reward']}"}},
+        "policy_runs[1]": {"stage": "DPO", "inputs": {"sft_run": {"path": str(from_base["sft"])}}}})
+    adapters = {"raft": Path("r/RAFT/adapter"), "dpo": Path("r/DPO/adapter")}
+    # a function scorer (best_of_n's here) is no judge of a family
+    assert practised_against(run, adapters, {}, "tests.test_scorers:words") == {"raft": ["llama"]}
