@@ -34,11 +34,13 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
   HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt}
-# MAX_JOBS, stages at once, from the GPU's memory: one a 17.5 GiB (8 on an H200, where fifteen judge candidates
-# beside SFT ran out of memory; 4 on an 80 GB H100, where six practice stages did); 8 without nvidia-smi. A stage
-# that runs out of memory beside others still runs again alone (scripts/demo_lib.sh's wait_for_all).
+# MAX_JOBS, stages at once, from the GPU's memory: one a 20 GiB (3 on an 80 GB H100, 7 on an H200; 8 without
+# nvidia-smi). At 17.5 GiB an H100 ran four practice stages, and DPO (25 GiB at its peak) and a GRPO recipe ran out
+# of memory beside ORPO, which held 33 GiB for a 22.7 GiB peak (docs/results.md, seventh run); on an H200 fifteen
+# sixteen stages at once did (fifteen judge candidates beside SFT). A stage that runs out of memory beside others still runs again alone
+# (scripts/demo_lib.sh's wait_for_all).
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-export MAX_JOBS=${MAX_JOBS:-$(( ${gpu_mib:-0} >= 17920 ? ${gpu_mib:-0} / 17920 : 8 ))}
+export MAX_JOBS=${MAX_JOBS:-$(( ${gpu_mib:-0} >= 20480 ? ${gpu_mib:-0} / 20480 : 8 ))}
 t0=$(date +%s)
 # MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 22 fewer pieces to carry)
 declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct
