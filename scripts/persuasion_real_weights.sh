@@ -163,6 +163,7 @@ fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$F
 # RAFT_GREEDY=1 adds raft_greedy: SFT's greedy reply is a candidate too (best_of_n_with_greedy), so that a pick
 # is never a sample less fluent than the gate asks (most picks of the third run were: no sample passed). Both
 # RAFTs then train on one generation: the plain one picks among its samples alone (targets_without_greedy).
+# The eval's best_of_n then has SFT's greedy reply among its candidates too.
 if [[ ${RAFT:-1} == 1 ]]; then
   greedy=(); plain=(); [[ ${RAFT_GREEDY:-0} == 1 ]] && greedy=(--best_of_n_with_greedy true) plain=(--targets_without_greedy true)
   # shellcheck disable=SC2086
@@ -217,10 +218,12 @@ fi
 # 4. Every test premise, every model, every judge; the summary.
 crossfit=(); [[ ${CROSSFIT:-1} == 1 ]] && crossfit=(--crossfit_judge_runs "$(cat "$LOGS/crossfit0.dir")" "$(cat "$LOGS/crossfit1.dir")")
 judges=(); for name in "${heldout[@]}"; do judges+=("$(cat "$LOGS/$name.dir")"); done
+bon_greedy=(); [[ ${RAFT_GREEDY:-0} == 1 ]] && bon_greedy=(--best_of_n_with_greedy true)
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --reward_run "$judge" \
   --judge_runs "${judges[@]}" "${fluency[@]}" "${crossfit[@]}" \
-  --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" --max_premises "$MAX_PREMISES" $decoding)
+  --sft_run "$sft" --policy_runs "${policies[@]}" --best_of_n "$BEST_OF_N" "${bon_greedy[@]}" \
+  --max_premises "$MAX_PREMISES" $decoding)
 # the summary's reward curves: those a length guard stopped too, up to where it stopped them
 curves=("${recipes[@]}"); for name in "${STOPPED[@]}"; do
   run=$(sed -n 's/.* run directory //p' "$LOGS/$name.log" | head -1); [[ -n $run ]] && curves+=("${name#grpo_}=$run"); done

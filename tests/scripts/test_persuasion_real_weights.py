@@ -180,6 +180,7 @@ def test_raft_trains_once_its_targets_are_written_not_once_all_practice_has(tmp_
     assert "--targets_without_greedy true" in plain[0] and "--targets_without_greedy" not in greedy[0]
     evaluated = next(line for line in calls if "--policy_runs" in line and "--split train" not in line)
     assert f"{tmp_path / 'runs' / 'RAFT'} " in evaluated and f"{tmp_path / 'runs' / 'RAFT_Greedy'}" in evaluated
+    assert "--best_of_n_with_greedy true" in evaluated  # the eval's best_of_n has SFT's greedy reply among its candidates
     # targets that failed: RAFT does not train, and says why; the chain names both
     code, out = _chain(tmp_path, FAIL="RAFT_Targets")
     assert code == 1 and "stage raft_targets failed" in out and "stage raft failed" in out, out[-3000:]
