@@ -17,8 +17,10 @@ units of its standard error (the step-to-step sd), a training signal, never a te
 `summary` writes OUT_DIR/persuasion_real_weights.json: `models` (every model of the eval with `n`,
 looped_share, premise_copy_share, distinct_2, refusal_share, reply words, cut_share, and per judge its reward and win rates vs
 the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
-pairs beside both baselines), the verdict lines, each GRPO run's reward curve and the rise, and the
-plot persuasion_grpo_rewards.png.
+pairs beside both baselines), the verdict lines, each GRPO run's reward curve, the rise and its checkpoint
+choice on dev (`on_dev`), `grpo_chosen_on_dev` (the recipe whose chosen step the dev judges score highest:
+how a sweep of one recipe's beta is decided, never on the test premises), and the plot
+persuasion_grpo_rewards.png.
 """
 from __future__ import annotations
 
@@ -89,6 +91,27 @@ def rise(run: Path) -> dict:
     return {"rewards": steps, "rise": gain, "rise_in_se": gain / (sd * math.sqrt(2 / q)) if sd else None}
 
 
+def on_dev(run: Path) -> dict | None:
+    """A GRPO run's checkpoint choice on the dev premises (stage 04): the chosen step, the mean score the dev
+    judges gave its replies and their fluency; None for a run that chose none."""
+    choice = read_json(run / "metrics.json").get("checkpoint_choice") if (run / "metrics.json").is_file() else None
+    if not choice:
+        return None
+    point = next(p for p in choice["curve"] if p["step"] == choice["chosen_step"])
+    return {"chosen_step": choice["chosen_step"], "dev_judges": choice["dev_judges"], "premises": choice["premises"],
+            "judge_mean": point["judge_mean"], "fluency": point["fluency"]}
+
+
+def best_on_dev(curves: dict) -> str | None:
+    """The GRPO recipe chosen on dev (a sweep of the KL anchor's beta, say): among those whose checkpoints were
+    chosen by the same dev judges on as many premises, the one whose chosen step they score highest (each step
+    passed its run's fluency check already). None when no two recipes were scored alike."""
+    scored = {n: c["on_dev"] for n, c in curves.items() if c.get("on_dev")}
+    if len({(tuple(d["dev_judges"]), d["premises"]) for d in scored.values()}) != 1:
+        return None
+    return max(scored, key=lambda n: scored[n]["judge_mean"])
+
+
 def rising(items: list[str]) -> list[Path]:
     runs = _named(items)
     return sorted(runs.values(), key=lambda r: -(rise(r)["rise_in_se"] or -math.inf))
@@ -129,8 +152,8 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
     paths = {Path(v["path"]).name: Path(v["path"]) for k, v in manifest["inputs"].items()
              if k == "reward_run" or k.startswith("judge_runs")}
     models = [n for n in results if isinstance(results[n], dict) and "by_judge" in results[n]]
-    curves = {name: {"run": run.name, "stopped_by_length_guard": not (run / "DONE").exists(), **rise(run)}
-              for name, run in _named(grpo_items).items()}
+    curves = {name: {"run": run.name, "stopped_by_length_guard": not (run / "DONE").exists(), **rise(run),
+                     "on_dev": on_dev(run)} for name, run in _named(grpo_items).items()}
     data = {"eval_run": eval_run.name, "commit": manifest.get("git", {}).get("commit"),
             "n_premises": results[models[0]]["n"], "decoding": manifest.get("decoding"),
             "best_of_n": manifest.get("best_of_n"), "verdict": metrics.get("verdict"),
@@ -141,7 +164,7 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
                            "bleu4": results[m]["bleu4"], "rougeL": results[m]["rougeL"],
                            "by_judge": {j: {k: v for k, v in results[m]["by_judge"][j].items() if k in KEYS}
                                         for j in judges}} for m in models},
-            "grpo_recipes": curves}
+            "grpo_recipes": curves, "grpo_chosen_on_dev": best_on_dev(curves)}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "persuasion_real_weights.json", data)
     plot_rewards(curves, out / "persuasion_grpo_rewards.png")

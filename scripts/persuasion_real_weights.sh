@@ -57,6 +57,11 @@ declare -A GRPO_RECIPES=(
 # the anchored, gated recipe (its dev judge is only known after the sweep: DEV_JUDGE below)
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
   --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
+# GRPO_BETAS: the KL anchor's strength for that recipe, one more recipe a value (par_fluency_gate_betaB), chosen on
+# dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint the dev judges score highest)
+if [[ -n $FLUENCY_MODEL ]]; then
+  for b in ${GRPO_BETAS:-}; do GRPO_RECIPES[par_fluency_gate_beta$b]="${GRPO_RECIPES[par_fluency_gate]} --beta $b"; done
+fi
 
 # 0. The prompt's framing, chosen on dev (FRAMINGS: a file of `NAME SYSTEM PROMPT` lines, NAME `none` for no
 #    system turn of ours): a pairs run for each framing, a feature judge trained on it, and the base model's

@@ -30,15 +30,19 @@ SMOL_RECIPE=${SMOL_RECIPE:-configs/smol-gpu}  # SmolLM2's base replies, beside t
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
 export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
   ENSEMBLE_SIZES=${ENSEMBLE_SIZES-2} CROSSFIT=${CROSSFIT:-0} FROM_BASE=${FROM_BASE:-0} \
-  GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
+  GRPO_BETAS=${GRPO_BETAS-0.01 0.04 0.1} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
   HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt}
+# the GRPO recipes: the raw judge score, and PAR with the fluency gate at beta 0 and at each of GRPO_BETAS (the KL
+# anchor's sweep, chosen on dev: persuasion_real_weights.json's grpo_chosen_on_dev)
+betas=(); for b in $GRPO_BETAS; do betas+=("par_fluency_gate_beta$b"); done
+export GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate ${betas[*]}}
 # MAX_JOBS, stages at once, from the GPU's memory: one a 20 GiB (3 on an 80 GB H100, 7 on an H200; 8 without
 # nvidia-smi). At 17.5 GiB an H100 ran four practice stages, and DPO (25 GiB at its peak) and a GRPO recipe ran out
-# of memory beside ORPO, which held 33 GiB for a 22.7 GiB peak (docs/results.md, seventh run); on an H200 fifteen
-# sixteen stages at once did (fifteen judge candidates beside SFT). A stage that runs out of memory beside others still runs again alone
-# (scripts/demo_lib.sh's wait_for_all).
+# of memory beside ORPO, which held 33 GiB for a 22.7 GiB peak (docs/results.md, seventh run); on an H200 sixteen
+# stages at once did (fifteen judge candidates beside SFT). A stage that runs out of memory beside others still
+# runs again alone (scripts/demo_lib.sh's wait_for_all).
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
 export MAX_JOBS=${MAX_JOBS:-$(( ${gpu_mib:-0} >= 20480 ? ${gpu_mib:-0} / 20480 : 8 ))}
 t0=$(date +%s)

@@ -32,8 +32,8 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     env = {**os.environ, "FRAMINGS": str(framings), "RECIPE": "configs/tiny", "PAIRS_CONFIG": "configs/smol/01_build_pairs.yaml", "MAX_PREMISES": "6",
            "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary"), "MINILM": str(bert),
            "PY": sys.executable, "BEST_OF_N": "2", "FLUENCY_MODEL": str(tiny_model), "BUILTIN": "0",
-           "CANDIDATES_FILE": str(candidates), "ENSEMBLE_SIZES": "", "GRPO_ONLY": "lr1e-4 par_fluency_gate",
-           "RAFT_GREEDY": "1"}
+           "CANDIDATES_FILE": str(candidates), "ENSEMBLE_SIZES": "", "GRPO_ONLY": "lr1e-4 par_fluency_gate par_fluency_gate_beta0.05",
+           "GRPO_BETAS": "0.05", "RAFT_GREEDY": "1"}
     with open(tmp_path / "chain.log", "w") as log:  # the chain's output to a file, as sbatch --output has it
         proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, env=env, stdout=log,
                               stderr=subprocess.STDOUT, text=True)
@@ -67,7 +67,13 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
             low, high = scored["win_rate_vs_base_ci95"]
             assert low <= scored["win_rate_vs_base"] <= high and "lc_win_rate_vs_base_ci95" in scored
             assert ("win_rate_vs_sft" in scored) == (name not in ("base", "sft")), name
-    assert set(summary["grpo_recipes"]) == {"lr1e-4", "par_fluency_gate"}
+    assert set(summary["grpo_recipes"]) == {"lr1e-4", "par_fluency_gate", "par_fluency_gate_beta0.05"}
+    # the KL anchor's sweep: the same recipe at beta 0.05, and the one chosen on dev by the checkpoints' dev scores
+    swept = summary["grpo_recipes"]["par_fluency_gate_beta0.05"]
+    assert "beta: 0.05" in (tmp_path / swept["run"] / "config.yaml").read_text().splitlines()
+    on_dev = {n: c["on_dev"]["judge_mean"] for n, c in summary["grpo_recipes"].items() if c["on_dev"]}
+    assert set(on_dev) == {"par_fluency_gate", "par_fluency_gate_beta0.05"}  # lr1e-4 chooses no checkpoint
+    assert summary["grpo_chosen_on_dev"] == max(on_dev, key=on_dev.get)
     assert all(c["rewards"] for c in summary["grpo_recipes"].values())
     for recipe in summary["grpo_recipes"].values():  # practice against the gated judge, as its manifest says
         terms = json.loads((tmp_path / recipe["run"] / "manifest.json").read_text())["reward_terms"]
@@ -257,3 +263,14 @@ def test_the_framing_rule_takes_the_least_refused_then_the_best_scored(tmp_path)
     sweep = json.loads((tmp_path / "persuasion_framing_sweep.json").read_text())
     assert sweep["chosen"] == "terse" and set(sweep["framings"]) == {"none", "debate", "terse"}
     assert prw.framing(tmp_path, runs[:2]) == "runs/Pairs_debate"  # the most refused loses whatever its score
+
+
+def test_the_recipe_chosen_on_dev_needs_recipes_scored_alike():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from persuasion_real_weights import best_on_dev
+    def curve(mean, judges=("run:J",), premises=32):
+        return {"on_dev": {"dev_judges": list(judges), "premises": premises, "judge_mean": mean}}
+    assert best_on_dev({"a": curve(0.1), "b": curve(0.3), "c": {"on_dev": None}}) == "b"
+    assert best_on_dev({"a": curve(0.1), "b": curve(0.3, premises=16)}) is None  # not the same dev premises
+    assert best_on_dev({"a": curve(0.1), "b": curve(0.3, judges=("run:K",))}) is None
+    assert best_on_dev({"c": {"on_dev": None}}) is None
