@@ -6,9 +6,15 @@ judges like best on premises it never practised on, provided its replies are sti
 started); at the end each saved step writes greedy replies to the pairs run's dev premises, `dev_judges`
 score them and the fluency scorer measures them, and the rule (`choose`) picks:
 
-    the highest mean held-out judge score among the steps whose mean fluency (token log-prob) is at
-    most `fluency_tolerance` below the start's; the start itself always qualifies, so a run whose every
-    step lost fluency keeps the policy it started from. Ties go to the earlier step.
+    the highest win rate against the start's replies (per premise, each dev judge's score of the step's
+    reply against its score of the start's, ties half; the mean over the dev judges) among the steps whose
+    mean fluency (token log-prob) is at most `fluency_tolerance` below the start's; the start itself
+    (0.5) always qualifies, so a run whose every step lost fluency keeps the policy it started from. Ties
+    go to the earlier step.
+
+A win rate, not a mean score: judges of other families score on scales of their own (a pointwise MiniLM
+judge's scores of every reply lay within 0.005 of each other in one run, a SmolLM2 judge's spread over
+units), and a mean of their scores is the widest scale's choice.
 
 The curve goes to metrics.json `checkpoint_choice` and checkpoints.png; a warning when every dev judge
 is of the training judge's family (config.json `model_type`): such judges tend to share its blind spots.
@@ -27,11 +33,18 @@ STEPS_DIR = "steps"
 
 
 def choose(curve: list[dict], tolerance: float) -> int:
-    """The chosen step of a curve of {"step", "judge_mean", "fluency"} rows (the start, step 0, first)."""
+    """The chosen step of a curve of {"step", "win_rate_vs_start", "fluency"} rows (the start, step 0, first)."""
     start = curve[0]["fluency"]
     eligible = [c for c in curve if c is curve[0] or (not math.isnan(c["fluency"]) and
                                                     (math.isnan(start) or c["fluency"] >= start - tolerance))]
-    return max(eligible, key=lambda c: (c["judge_mean"], -c["step"]))["step"]
+    return max(eligible, key=lambda c: (c["win_rate_vs_start"], -c["step"]))["step"]
+
+
+def win_rate(scores: list[float], start: list[float]) -> float:
+    """The share of premises whose reply a judge scores above the start's reply to it (ties half; a premise
+    either reply could not be scored on is left out)."""
+    pairs = [(a, b) for a, b in zip(scores, start) if not (math.isnan(a) or math.isnan(b))]
+    return sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) / len(pairs) if pairs else math.nan
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -91,20 +104,22 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
               for spec in config.dev_judges]
     fluency = FluencyScorer(resolve_model_path(config.fluency_model_name_or_path),
                             batch_size=config.reward_batch_size, max_tokens=config.max_completion_length)
-    curve = []
+    curve, scored = [], []
     for step in saved_steps(run.dir):
         load_step(policy, run.dir, step)
         replies, cut = replies_and_cuts(policy, tokenizer, prompts, config.max_completion_length,
                                         config.rollout_batch_size, temperature=0.0, weights=config.rollout_weights,
                                         static=config.fast_paths and config.rollout_backend == "static")
-        by_judge = {f"{j.name}" if j is not training_judge else "judge": _mean(j.score(prompts, replies))
-                    for j in judges}
-        curve.append({"step": step, "judges": by_judge, "judge_mean": _mean(list(by_judge.values())),
+        scored.append({f"{j.name}" if j is not training_judge else "judge": j.score(prompts, replies) for j in judges})
+        by_judge = {name: _mean(scores) for name, scores in scored[-1].items()}
+        wins = {name: win_rate(scores, scored[0][name]) for name, scores in scored[-1].items()}
+        curve.append({"step": step, "judges": by_judge, "win_rates_vs_start": wins,
+                      "win_rate_vs_start": _mean(list(wins.values())),
                       "fluency": _mean(fluency.score(prompts, replies)),
                       # what the guard and the cap see: a drop in length that is the policy learning to finish
                       "reply_words_mean": _mean([len(r.split()) for r in replies]), "cut_share": _mean(cut)})
-        log.info("checkpoint step %d on %d dev premises: judges %s, fluency %.3f, %.0f words, %.0f%% cut at the cap",
-                 step, len(prompts), by_judge, curve[-1]["fluency"], curve[-1]["reply_words_mean"],
+        log.info("checkpoint step %d on %d dev premises: win rates vs the start %s, fluency %.3f, %.0f words, "
+                 "%.0f%% cut at the cap", step, len(prompts), wins, curve[-1]["fluency"], curve[-1]["reply_words_mean"],
                  100 * curve[-1]["cut_share"])
     chosen = choose(curve, config.fluency_tolerance)
     load_step(policy, run.dir, chosen)
@@ -119,8 +134,9 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
     return {"chosen_step": chosen, "premises": len(prompts), "dev_judges": list(config.dev_judges),
             "dev_judge_families": families, "training_judge_family": trained, "warning": warning,
             "fluency_model": config.fluency_model_name_or_path, "fluency_tolerance": config.fluency_tolerance,
-            "rule": "highest mean dev-judge score among steps whose fluency is at most fluency_tolerance below "
-                    "the start's (step 0); ties to the earlier step", "curve": curve, "plot": plot.name}
+            "rule": "highest win rate against the start's replies (step 0; the mean over the dev judges) among "
+                    "steps whose fluency is at most fluency_tolerance below the start's; ties to the earlier step",
+            "curve": curve, "plot": plot.name}
 
 
 def _mean(values) -> float:
@@ -129,7 +145,8 @@ def _mean(values) -> float:
 
 
 def plot_curve(out_dir: Path, curve: list[dict], chosen: int) -> Path:
-    """checkpoints.png: the dev judges' mean score and the fluency per saved step, the chosen one marked."""
+    """checkpoints.png: the dev judges' win rate against the start and the fluency per saved step, the chosen
+    one marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,7 +154,7 @@ def plot_curve(out_dir: Path, curve: list[dict], chosen: int) -> Path:
     from common.report import save_figure
     steps = [c["step"] for c in curve]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
-    for ax, key, title in ((axes[0], "judge_mean", "dev judges' mean score"),
+    for ax, key, title in ((axes[0], "win_rate_vs_start", "dev judges' win rate vs the start"),
                            (axes[1], "fluency", "fluency (mean token log-prob)")):
         ax.plot(steps, [c[key] for c in curve], marker=".")
         ax.axvline(chosen, color="grey", linestyle="--", label=f"chosen: step {chosen}")

@@ -18,7 +18,7 @@ units of its standard error (the step-to-step sd), a training signal, never a te
 looped_share, premise_copy_share, distinct_2, refusal_share, reply words, cut_share, and per judge its reward and win rates vs
 the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
 pairs beside both baselines), the verdict lines, each GRPO run's reward curve, the rise and its checkpoint
-choice on dev (`on_dev`), `grpo_chosen_on_dev` (the recipe whose chosen step the dev judges score highest:
+choice on dev (`on_dev`), `grpo_chosen_on_dev` (the recipe whose chosen step wins most against the start on dev:
 how a sweep of one recipe's beta is decided, never on the test premises), and the plot
 persuasion_grpo_rewards.png.
 """
@@ -92,24 +92,27 @@ def rise(run: Path) -> dict:
 
 
 def on_dev(run: Path) -> dict | None:
-    """A GRPO run's checkpoint choice on the dev premises (stage 04): the chosen step, the mean score the dev
-    judges gave its replies and their fluency; None for a run that chose none."""
+    """A GRPO run's checkpoint choice on the dev premises (stage 04): the chosen step, its replies' win rate
+    against the start's (SFT's, for every recipe that starts from it) and their fluency; None for a run that
+    chose none."""
     choice = read_json(run / "metrics.json").get("checkpoint_choice") if (run / "metrics.json").is_file() else None
     if not choice:
         return None
     point = next(p for p in choice["curve"] if p["step"] == choice["chosen_step"])
+    if "win_rate_vs_start" not in point:  # a run from before the choice read win rates
+        return None
     return {"chosen_step": choice["chosen_step"], "dev_judges": choice["dev_judges"], "premises": choice["premises"],
-            "judge_mean": point["judge_mean"], "fluency": point["fluency"]}
+            "win_rate_vs_start": point["win_rate_vs_start"], "fluency": point["fluency"]}
 
 
 def best_on_dev(curves: dict) -> str | None:
     """The GRPO recipe chosen on dev (a sweep of the KL anchor's beta, say): among those whose checkpoints were
-    chosen by the same dev judges on as many premises, the one whose chosen step they score highest (each step
-    passed its run's fluency check already). None when no two recipes were scored alike."""
+    chosen by the same dev judges on as many premises, the one whose chosen step wins most against the start
+    (each step passed its run's fluency check already). None when they were not scored alike."""
     scored = {n: c["on_dev"] for n, c in curves.items() if c.get("on_dev")}
     if len({(tuple(d["dev_judges"]), d["premises"]) for d in scored.values()}) != 1:
         return None
-    return max(scored, key=lambda n: scored[n]["judge_mean"])
+    return max(scored, key=lambda n: scored[n]["win_rate_vs_start"])
 
 
 def rising(items: list[str]) -> list[Path]:

@@ -17,7 +17,7 @@
 # families): 05's verdict needs two families. FLUENCY_MODEL (a causal LM, best of another family than the
 # writer): 05 checks every reply's fluency under it, and the GRPO recipe par_fluency_gate runs: the judge
 # as PAR, replies below SFT's fluency gated to 0, a checkpoint every 4 steps chosen on dev by the best
-# judge of another family and the fluency check. DECODING: the decoding's arguments, chosen on dev
+# judges of the other families and the fluency check. DECODING: the decoding's arguments, chosen on dev
 # earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; CROSSFIT=0 the cross-fit. SFT_RUN: a
 # finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
 # on from a chain that stopped: every finished stage is taken as it is. MAX_JOBS: stages at once.
@@ -58,7 +58,7 @@ declare -A GRPO_RECIPES=(
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
   --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
 # GRPO_BETAS: the KL anchor's strength for that recipe, one more recipe a value (par_fluency_gate_betaB), chosen on
-# dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint the dev judges score highest)
+# dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint wins most against SFT's replies)
 if [[ -n $FLUENCY_MODEL ]]; then
   for b in ${GRPO_BETAS:-}; do GRPO_RECIPES[par_fluency_gate_beta$b]="${GRPO_RECIPES[par_fluency_gate]} --beta $b"; done
 fi
@@ -111,7 +111,8 @@ echo "training judge (chosen on dev_later): $judge_name $judge" >&2
 singles=(); for dir in "$LOGS"/judges/*.dir; do
   name=$(basename "$dir" .dir); [[ $name == ensemble_* ]] || singles+=("$name=$(cat "$dir")"); done
 mapfile -t others < <("$PY" scripts/judges_later_posts.py families --not "$judge_name" "${singles[@]}" | head -n "$OTHER_FAMILIES")
-DEV_JUDGE=""; [[ -n ${others[0]:-} ]] && DEV_JUDGE="run:$(cut -d' ' -f2 <<<"${others[0]}")"
+# the GRPO checkpoints' dev judges: the best of each other family (their win rates against SFT's replies, averaged)
+DEV_JUDGE=""; for other in "${others[@]}"; do DEV_JUDGE+="${DEV_JUDGE:+ }run:$(cut -d' ' -f2 <<<"$other")"; done
 echo "held-out judges of other families, in the recipes of: ${others[*]:-none}" >&2
 
 # 2. The held-out judges: in the training judge's recipe (its config.yaml) and in the best recipe of each

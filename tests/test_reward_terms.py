@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from common.checkpoint_choice import choose
+from common.checkpoint_choice import choose, win_rate
 from common.config import ConfigError, GRPOStageConfig
 from common.reward_terms import FluencyGate, ParScorer, Term, gate_value, par
 from common.scorers import FunctionScorer
@@ -156,13 +156,17 @@ def test_a_resumed_run_refuses_changed_reference_replies(tmp_path):
 
 def test_the_checkpoint_choice_follows_the_dev_judges_among_fluent_steps():
     def row(step, judge, fluency):
-        return {"step": step, "judge_mean": judge, "fluency": fluency}
+        return {"step": step, "win_rate_vs_start": judge, "fluency": fluency}
     curve = [row(0, 0.1, -3.0), row(10, 0.4, -3.2), row(20, 0.9, -4.0), row(30, 0.6, -3.4), row(40, 0.6, -3.1)]
     assert choose(curve, tolerance=0.5) == 30  # step 20 scores best but lost 1 nat of fluency; 30 ties 40: earlier
     assert choose(curve, tolerance=2.0) == 20
     assert choose(curve, tolerance=0.05) == 0  # nothing kept the start's fluency but the start
     assert choose([row(0, 0.5, -3.0), row(5, 0.2, -3.0)], tolerance=1.0) == 0  # the dev judges never improved
     assert choose([row(0, 0.5, -3.0), row(5, 0.9, math.nan)], tolerance=1.0) == 0  # unmeasured fluency never qualifies
+    # the win rate against the start's replies: ties half, a premise either could not be scored on left out
+    assert win_rate([0.2, 5.0, 1.0, math.nan], [0.1, 7.0, 1.0, 3.0]) == 0.5
+    assert win_rate([0.003, 0.004], [0.002, 0.001]) == 1.0  # a judge of tiny spread counts as much as any
+    assert math.isnan(win_rate([math.nan], [1.0]))
 
 
 @pytest.mark.stage
@@ -171,10 +175,12 @@ def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
     run = grpo_with_terms
     choice = json.loads((run / "metrics.json").read_text())["checkpoint_choice"]
     assert [c["step"] for c in choice["curve"]] == [0, 1, 2] and (run / "checkpoints.png").is_file()
+    assert choice["curve"][0]["win_rates_vs_start"] == {"judge": 0.5, "shorter": 0.5}  # the start against itself
     assert choice["chosen_step"] == choose(choice["curve"], choice["fluency_tolerance"])
     assert choice["dev_judge_families"] == ["llama", None] and choice["warning"] is None
     for c in choice["curve"]:
-        assert set(c["judges"]) == {"judge", "shorter"} and c["fluency"] < 0
+        assert set(c["judges"]) == set(c["win_rates_vs_start"]) == {"judge", "shorter"} and c["fluency"] < 0
+        assert c["win_rate_vs_start"] == sum(c["win_rates_vs_start"].values()) / 2
         assert 0 <= c["cut_share"] <= 1 and c["reply_words_mean"] > 0
     kept = load_file(run / "adapter" / "adapter_model.safetensors")
     chosen = load_file(run / "steps" / f"step-{choice['chosen_step']}" / "adapter_model.safetensors")

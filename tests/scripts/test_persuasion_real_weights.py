@@ -71,7 +71,7 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     # the KL anchor's sweep: the same recipe at beta 0.05, and the one chosen on dev by the checkpoints' dev scores
     swept = summary["grpo_recipes"]["par_fluency_gate_beta0.05"]
     assert "beta: 0.05" in (tmp_path / swept["run"] / "config.yaml").read_text().splitlines()
-    on_dev = {n: c["on_dev"]["judge_mean"] for n, c in summary["grpo_recipes"].items() if c["on_dev"]}
+    on_dev = {n: c["on_dev"]["win_rate_vs_start"] for n, c in summary["grpo_recipes"].items() if c["on_dev"]}
     assert set(on_dev) == {"par_fluency_gate", "par_fluency_gate_beta0.05"}  # lr1e-4 chooses no checkpoint
     assert summary["grpo_chosen_on_dev"] == max(on_dev, key=on_dev.get)
     assert all(c["rewards"] for c in summary["grpo_recipes"].values())
@@ -269,7 +269,7 @@ def test_the_recipe_chosen_on_dev_needs_recipes_scored_alike():
     sys.path.insert(0, str(REPO / "scripts"))
     from persuasion_real_weights import best_on_dev
     def curve(mean, judges=("run:J",), premises=32):
-        return {"on_dev": {"dev_judges": list(judges), "premises": premises, "judge_mean": mean}}
+        return {"on_dev": {"dev_judges": list(judges), "premises": premises, "win_rate_vs_start": mean}}
     assert best_on_dev({"a": curve(0.1), "b": curve(0.3), "c": {"on_dev": None}}) == "b"
     assert best_on_dev({"a": curve(0.1), "b": curve(0.3, premises=16)}) is None  # not the same dev premises
     assert best_on_dev({"a": curve(0.1), "b": curve(0.3, judges=("run:K",))}) is None
