@@ -67,7 +67,7 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
                 "backbone": config.judge_backbone,
                 "model": config.judge_model_name_or_path or config.model_name_or_path,
                 "family": judge_family(config), "topic_gate": getattr(config, "topic_gate", 0.0),
-                "train_split": config.train_split, "period": _period(config)}
+                "train_split": config.train_split, "period": _period(config), **audited(path)}
         posts, premises = train_posts(path)
         overlap = sorted({p["group_id"] for p in scored if p["group_id"] in posts or _seen(p, premises)})
         if overlap:
@@ -85,6 +85,17 @@ def describe_judges(judge_runs: dict[str, str], training: str | None, scored: li
                      "n_train_posts": len(posts),
                      "posts_shared_with_policy": shared, "posts_shared_with_scored_premises": 0}
     return out
+
+
+def audited(path) -> dict:
+    """{"audit": its split, pairs and accuracy with the 95% interval} from a judge run's judge_audit.json (none
+    for a run without one): how well the judge picks the real winners, beside what it says of the models."""
+    audit = read_json(Path(path) / "judge_audit.json") if (Path(path) / "judge_audit.json").is_file() else {}
+    judge = audit.get("judge") if isinstance(audit.get("judge"), dict) else None
+    if not judge or "accuracy_ci95" not in judge:
+        return {}
+    return {"audit": {"split": audit.get("split"), "n_pairs": judge.get("n_pairs"), "accuracy": judge["accuracy"],
+                      "accuracy_ci95": judge["accuracy_ci95"]}}
 
 
 # Fields the k runs of one cross-fit may differ in besides cross_fit_fold: where and under what name

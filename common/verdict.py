@@ -185,6 +185,14 @@ def verdict_lines(results: dict, judges: dict, verdicts: dict) -> list[str]:
     if not held_out and judges:
         lines.append("No held-out judge scored these replies: a gain under the training judge alone may be its "
                      "blind spots.")
+    # what each held-out judge's word is worth: how often it picks the real winner on its audit's pairs
+    audits = [(n, judges[n]["audit"]) for n in held_out if judges[n].get("audit")]
+    if audits:
+        lines.append("Held-out judges' own accuracy (the real winner picked, on their audit's pairs): " + "; ".join(
+            f"{n} {_ci({'a': a['accuracy'], 'a_ci95': a['accuracy_ci95']}, 'a')} on {a['n_pairs']} {a['split']} pairs"
+            for n, a in audits) + "." + ("" if all(a["accuracy_ci95"][0] > 0.5 for _, a in audits) else
+                                          " A judge whose interval reaches 0.5 is not shown to pick winners: "
+                                          "what it prefers may not be persuasion."))
     return lines
 
 

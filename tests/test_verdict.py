@@ -85,6 +85,22 @@ def test_a_family_the_model_practised_against_does_not_count():
     assert reason.startswith("judges: no judge of a family it did not practise against sees it (MiniLM2, MiniLM3)")
 
 
+def test_the_held_out_judges_own_accuracy_follows_the_verdict():
+    results = _results(_model(dict.fromkeys(JUDGES, WIN), perplexity=11.0))
+    audit = {"split": "test", "n_pairs": 128}
+    judges = {**JUDGES, "MiniLM2": {**JUDGES["MiniLM2"], "audit": {**audit, "accuracy": 0.6, "accuracy_ci95": [0.52, 0.68]}},
+              "Smol": {**JUDGES["Smol"], "audit": {**audit, "accuracy": 0.5, "accuracy_ci95": [0.41, 0.59]}}}
+    verdicts = decide(results, judges, GATE, fluency_checked=True)
+    *_, line = verdict_lines(results, judges, verdicts)
+    assert line.startswith("Held-out judges' own accuracy (the real winner picked, on their audit's pairs): MiniLM2 "
+                           "0.60 [0.52, 0.68] on 128 test pairs; Smol 0.50 [0.41, 0.59] on 128 test pairs.")
+    assert line.endswith("A judge whose interval reaches 0.5 is not shown to pick winners: what it prefers may not "
+                         "be persuasion.")
+    judges["Smol"]["audit"]["accuracy_ci95"] = [0.51, 0.6]
+    assert verdict_lines(results, judges, verdicts)[-1].endswith("on 128 test pairs.")  # every one above chance
+    assert not any("own accuracy" in line for line in verdict_lines(results, JUDGES, verdicts))  # no audit, no line
+
+
 def test_without_a_fluency_model_nothing_holds_and_loops_still_count():
     results = _results(_model(dict.fromkeys(JUDGES, WIN), perplexity=None, looped_share=0.1))
     verdict = decide(results, JUDGES, GATE, fluency_checked=False)["grpo"]

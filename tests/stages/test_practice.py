@@ -164,6 +164,11 @@ def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
         verdict = results[model]["verdict"]
         assert not verdict["holds"] and "fluency not checked (no fluency_model_name_or_path)" in verdict["reasons"]
     assert any(line.startswith("Fluency was not checked") for line in metrics["verdict"])
+    # the held-out judge's own accuracy on its audit's pairs, in eval.json and after the verdict's lines
+    assert results["judges"][held_out]["audit"]["split"] == "test"
+    audit = json.loads((from_base["held_out"] / "judge_audit.json").read_text())["judge"]
+    assert any(line.startswith(f"Held-out judges' own accuracy (the real winner picked, on their audit's pairs): "
+                               f"{held_out} {audit['accuracy']:.2f}") for line in metrics["verdict"]), metrics["verdict"]
     # GRPO's reward and best-of-n's picker were the (llama) training judge: a llama judge does not count for them
     assert [results[m]["verdict"].get("practised_against") for m in ("sft", "grpo_from_base", "dpo_from_base",
                                                                        "best_of_n")] == [None, ["llama"], None, ["llama"]]
