@@ -62,6 +62,10 @@ declare -A GRPO_RECIPES=(
 if [[ -n $FLUENCY_MODEL ]]; then
   for b in ${GRPO_BETAS:-}; do GRPO_RECIPES[par_fluency_gate_beta$b]="${GRPO_RECIPES[par_fluency_gate]} --beta $b"; done
 fi
+for name in ${GRPO_ONLY:-}; do  # a misspelt recipe is found before anything trains
+  [[ -v "GRPO_RECIPES[$name]" ]] || { echo "error: GRPO_ONLY names $name, not a GRPO recipe here (${!GRPO_RECIPES[*]};" \
+    "par_fluency_gate and its betas need FLUENCY_MODEL)" >&2; exit 1; }
+done
 
 # 0. The prompt's framing, chosen on dev (FRAMINGS: a file of `NAME SYSTEM PROMPT` lines, NAME `none` for no
 #    system turn of ours): a pairs run for each framing, a feature judge trained on it, and the base model's

@@ -274,3 +274,15 @@ def test_the_recipe_chosen_on_dev_needs_recipes_scored_alike():
     assert best_on_dev({"a": curve(0.1), "b": curve(0.3, premises=16)}) is None  # not the same dev premises
     assert best_on_dev({"a": curve(0.1), "b": curve(0.3, judges=("run:K",))}) is None
     assert best_on_dev({"c": {"on_dev": None}}) is None
+
+
+def test_a_grpo_recipe_that_is_not_one_stops_the_chain_before_anything_trains(tmp_path):
+    code, out = _chain(tmp_path, GRPO_ONLY="lr1e-4 par_fluency_gate_beta0.05", CALLS=str(tmp_path / "calls"))
+    assert code == 1 and "error: GRPO_ONLY names par_fluency_gate_beta0.05, not a GRPO recipe here" in out, out[-2000:]
+    assert not (tmp_path / "calls").exists()  # no stage ran
+    code, out = _chain(tmp_path, GRPO_ONLY="par_fluency_gate_beta0.05", GRPO_BETAS="0.05", FLUENCY_MODEL="lm",
+                       CALLS=str(tmp_path / "calls"))
+    assert code == 0, out[-2000:]
+    grpo = [line for line in (tmp_path / "calls").read_text().splitlines()
+            if line.startswith("04_train_grpo.py") and "--run_name GRPO_par" in line]
+    assert len(grpo) == 1 and "--beta 0.05" in grpo[0] and "--reward_funcs par fluency" in grpo[0], grpo
