@@ -49,10 +49,16 @@ def premise_overlap(premise: str, reply: str, n: int = 3) -> float:
     return sum(g in source for g in grams) / len(grams)
 
 
-def looped(text: str, min_words: int = 5, times: int = 3) -> bool:
-    """A reply that loops: one line or sentence of at least `min_words` words said `times` times or more."""
+def looped(text: str, min_words: int = 5, times: int = 3, run_words: int = 8) -> bool:
+    """A reply that loops: one line or sentence of at least `min_words` words said `times` times or more, or
+    one run of `run_words` words said `times` times (a list whose items differ in their last word, with no
+    full stop between them: "6) A desire to avoid offending people who might think this is stupid 7) ...")."""
     parts = [p.strip().lower() for p in re.split(r"\n|(?<=[.!?])\s", text) if len(p.split()) >= min_words]
-    return bool(parts) and Counter(parts).most_common(1)[0][1] >= times
+    if parts and Counter(parts).most_common(1)[0][1] >= times:
+        return True
+    words = re.findall(r"\w+", text.lower())
+    runs = Counter(tuple(words[i:i + run_words]) for i in range(len(words) - run_words + 1))
+    return bool(runs) and runs.most_common(1)[0][1] >= times
 
 
 # What an assistant model says when it declines instead of arguing. Each pattern is matched, case-blind,

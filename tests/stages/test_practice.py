@@ -47,6 +47,10 @@ def test_reply_shape_on_hand_made_texts():
     loop = "I have always loved music a lot. " * 3
     assert looped(loop) and not looped("I have always loved music a lot. Music is good to me.")
     assert not looped("yes. yes. yes. yes.")  # a sentence of under five words is no loop
+    # a list whose items differ in a word, with no full stop between them: a run of 8 words said 3 times
+    items = " ".join(f"{i}) A desire to avoid offending people who might think this is {w}"
+                     for i, w in enumerate(["rude", "stupid", "annoying"], 5))
+    assert looped("It's probably a combination of: " + items) and not looped(items.rsplit(" 7)", 1)[0])
     premise = "the cat sat on the mat today"
     shape = reply_shape([premise, premise], ["the cat sat on the mat", "a dog ran far away"])
     # reply 1: its four 3-grams all occur in the premise; reply 2: none of its three
