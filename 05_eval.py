@@ -232,6 +232,9 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
     could not be captured fell back to eager decoding steps (slower, the same tokens): recorded."""
     run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)
     results, judges = scores.results, panel.info
+    for name, path in adapters.items():  # which run each model's adapter came from (grpo, grpo2, ... by name)
+        if name in results:
+            results[name]["run"] = path.parent.name
     # a held-out judge of a family a model practised against does not count for it
     practised = eval_inputs.practised_against(run, adapters, judges, (run.manifest.get("best_of_n") or {}).get(
         "scorer") if "best_of_n" in results else None)

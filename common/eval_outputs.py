@@ -7,7 +7,7 @@ from pathlib import Path
 
 from common import eval_inputs
 from common.judges import gain_lines
-from common.report import judges_section
+from common.report import judges_section, md
 from common.verdict import family_lines, fluency_model_line, model_family, verdict_lines
 
 
@@ -56,8 +56,11 @@ def report_sections(config, manifest: dict, task, results: dict, judges: dict, t
 
 
 def headline(config, manifest: dict, results: dict, judges: dict, fluency_measured: bool) -> list[str]:
-    """The report's opening lines: each model's verdict, the judges' families, and the fluency model's."""
+    """The report's opening lines: each model's verdict, the run each model came from, the judges' families,
+    and the fluency model's."""
+    runs = [f"{name} = {md(r['run'])}" for name, r in results.items() if isinstance(r, dict) and r.get("run")]
     return verdict_lines(results, judges, {n: r["verdict"] for n, r in results.items() if "verdict" in r}) + \
+        (["Models: " + "; ".join(runs) + "."] if runs else []) + \
         family_lines(judges) + (fluency_model_line(manifest.get("fluency", {}).get("fluency_family"),
                                                    model_family(config.model_name_or_path),
                                                    config.fluency_model_name_or_path,

@@ -173,6 +173,11 @@ def test_eval_records_its_decoding_and_opens_with_the_verdict(from_base):
     audit = json.loads((from_base["held_out"] / "judge_audit.json").read_text())["judge"]
     assert any(line.startswith(f"Held-out judges' own accuracy (the real winner picked, on their audit's pairs): "
                                f"{held_out} {audit['accuracy']:.2f}") for line in metrics["verdict"]), metrics["verdict"]
+    # the run each model came from, in eval.json and in a line after the verdict's
+    assert [results[m].get("run") for m in ("sft", "grpo_from_base", "dpo_from_base", "best_of_n")] == \
+        [from_base["sft"].name, from_base["grpo"].name, from_base["dpo"].name, None]
+    assert f"Models: sft = {from_base['sft'].name}; grpo_from_base = {from_base['grpo'].name}; dpo_from_base = " \
+        f"{from_base['dpo'].name}." in metrics["verdict"]
     # GRPO's reward and best-of-n's picker were the (llama) training judge: a llama judge does not count for them
     assert [results[m]["verdict"].get("practised_against") for m in ("sft", "grpo_from_base", "dpo_from_base",
                                                                        "best_of_n")] == [None, ["llama"], None, ["llama"]]
