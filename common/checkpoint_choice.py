@@ -43,8 +43,12 @@ def choose(curve: list[dict], tolerance: float) -> int:
 def win_rate(scores: list[float], start: list[float]) -> float:
     """The share of premises whose reply a judge scores above the start's reply to it (ties half; a premise
     either reply could not be scored on is left out)."""
-    pairs = [(a, b) for a, b in zip(scores, start) if not (math.isnan(a) or math.isnan(b))]
-    return sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) / len(pairs) if pairs else math.nan
+    import numpy as np
+
+    from common.metrics import wins
+    a, b = np.asarray(scores, float), np.asarray(start, float)
+    kept = ~(np.isnan(a) | np.isnan(b))
+    return float(wins(a[kept], b[kept]).mean()) if kept.any() else math.nan
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
