@@ -12,7 +12,8 @@
 # of running 01 and 02; RATING_CONFIGS: the rating-model recipes trained by stage 03 (default the recipe's
 # 03_train_rating*.yaml; empty: none), the one of lowest dev MAE rating every test paper beside the
 # reviews' own ratings, with a dev eval of SFT at the picked decoding to fit the blend (docs/review.md,
-# "Every rating source"). Prints the report's and the summary's paths.
+# "Every rating source"). The rating models train in the background beside SFT and the stages after it, which
+# they do not need (their logs in LOGS, default RUNS_DIR/logs). Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu/review}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
@@ -24,6 +25,16 @@ mapfile -t DECODINGS <<<"${DECODINGS:-"--repetition_penalty 1.0 --no_repeat_ngra
 read -ra EVAL_FLAGS <<<"${EVAL_FLAGS:-}"
 
 pairs=${PAIRS_RUN:-$(stage 01_build_pairs.py --config "$RECIPE/01_build_pairs.yaml")}
+
+# The rating models (docs/review.md) read only the pairs run: each of RATING_CONFIGS starts now, beside SFT.
+read -ra RATING_CONFIGS <<<"${RATING_CONFIGS-$(echo "$RECIPE"/03_train_rating*.yaml)}"
+(( ${#RATING_CONFIGS[@]} )) && [[ ! -f ${RATING_CONFIGS[0]} ]] && RATING_CONFIGS=()
+LOGS=${LOGS:-$RUNS_DIR/logs}
+mkdir -p "$LOGS"
+for i in "${!RATING_CONFIGS[@]}"; do
+  background "rating_$i" 03_train_reward.py --config "${RATING_CONFIGS[i]}" --pairs_run "$pairs"
+done
+
 sft=${SFT_RUN:-$(stage 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs")}
 
 sweep=()
@@ -37,15 +48,21 @@ decoding=$(sed -n 1p <<<"$picked")
 reading=$(sed -n 2p <<<"$picked")
 echo "picked on the dev papers: $decoding $reading" >&2
 
-# The rating model (docs/review.md): each of RATING_CONFIGS on the train papers, the one of lowest dev MAE
-# kept; the SFT model's reviews of the dev papers at the picked decoding fit the blend of the two ratings.
-read -ra RATING_CONFIGS <<<"${RATING_CONFIGS-$(echo "$RECIPE"/03_train_rating*.yaml)}"
+# shellcheck disable=SC2086
+dpo_base=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding)
+# shellcheck disable=SC2086
+dpo_sft=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding)
+# shellcheck disable=SC2086
+orpo=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft --loss orpo \
+  $decoding)
+
+# The rating model: of RATING_CONFIGS' runs, the one of lowest dev MAE kept; the SFT model's reviews of the dev
+# papers at the picked decoding fit the blend of the ratings.
 rating_flags=()
-if (( ${#RATING_CONFIGS[@]} )) && [[ -f ${RATING_CONFIGS[0]} ]]; then
+if (( ${#RATING_CONFIGS[@]} )); then
+  wait_for_all
   ratings=()
-  for config in "${RATING_CONFIGS[@]}"; do
-    ratings+=("$(stage 03_train_reward.py --config "$config" --pairs_run "$pairs")")
-  done
+  for i in "${!RATING_CONFIGS[@]}"; do ratings+=("$(cat "$LOGS/rating_$i.dir")"); done
   rating=$("$PY" -c 'import json, sys
 print(min(sys.argv[1:], key=lambda run: json.load(open(run + "/metrics.json"))["rating_mae"]))' "${ratings[@]}")
   echo "rating model picked on the dev papers: $rating" >&2
@@ -56,13 +73,6 @@ print(min(sys.argv[1:], key=lambda run: json.load(open(run + "/metrics.json"))["
   rating_flags=(--rating_run "$rating" --rating_dev_run "$dev_eval" --rerank_by_rating "${RERANK_N:-4}")
 fi
 
-# shellcheck disable=SC2086
-dpo_base=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding)
-# shellcheck disable=SC2086
-dpo_sft=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding)
-# shellcheck disable=SC2086
-orpo=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft --loss orpo \
-  $decoding)
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
   --policy_runs "$dpo_base" "$dpo_sft" "$orpo" $decoding $reading "${rating_flags[@]}" "${EVAL_FLAGS[@]}")

@@ -170,19 +170,26 @@ def test_decoding_fields_are_checked():
 
 @pytest.mark.stage
 def test_the_real_weights_script_runs_every_stage_on_the_cpu(tiny_model, tmp_path):
-    """scripts/review_real_weights.sh with the tiny recipe: the dev sweep, the pick, both DPOs and
-    ORPO, the test eval of five models with a rating for every paper, and the summary."""
+    """scripts/review_real_weights.sh with the tiny recipe: the rating model trained beside SFT, the dev
+    sweep, the pick, both DPOs and ORPO, the test eval of five models and the reranked reviews with a rating
+    for every paper, every rating source, and the summary."""
     env = {**os.environ, "RECIPE": TINY, "RUNS_DIR": str(tmp_path), "SUMMARY_DIR": str(tmp_path / "summary"),
            "DECODINGS": "--repetition_penalty 1.0 --no_repeat_ngram_size 0 --temperature 0\n"
                         "--repetition_penalty 1.0 --no_repeat_ngram_size 3 --temperature 0",
-           "EVAL_FLAGS": "--max_premises 2", "PY": sys.executable,  # scripts/demo_lib.sh's default is .venv's
-           "RATING_CONFIGS": ""}  # no rating model: its blend needs more dev papers (tests/test_rating_model.py)
+           "EVAL_FLAGS": "--max_premises 4",  # the blend's four weights need four dev papers
+           "PY": sys.executable,  # scripts/demo_lib.sh's default is .venv's
+           "RATING_CONFIGS": f"{TINY}/03_train_rating.yaml", "RERANK_N": "2"}
     proc = subprocess.run(["bash", "scripts/review_real_weights.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # the rating model started before SFT ended: it needs only the pairs run
+    timeline = {line.split("\t")[0]: line.split("\t")[1:] for line in (tmp_path / "logs" / "timeline.tsv").read_text().splitlines()}
+    assert int(timeline["rating_0"][0]) <= int(timeline["02_train_sft.py"][1]) and timeline["rating_0"][2] == "0"
     summary = json.loads((tmp_path / "summary" / "review_real_weights.json").read_text())
-    assert set(summary["models"]) == {"base", "sft", "dpo (base-rejected)", "dpo (sft-rejected)", "orpo (sft-rejected)"}
+    assert set(summary["models"]) == {"base", "sft", "dpo (base-rejected)", "dpo (sft-rejected)", "orpo (sft-rejected)",
+                                      "rerank_by_rating"}
+    assert {"rating_model", "bag_of_words", "sft_blend"} <= set(summary["rating_sources"])
     for name, m in summary["models"].items():
-        assert m["all_papers"]["n"] == m["n"] == 2, name  # a rating for every paper
+        assert m["all_papers"]["n"] == m["n"] == 4, name  # a rating for every paper
     assert len(summary["dev_sweep"]) == 2 and {r["no_repeat_ngram_size"] for r in summary["dev_sweep"]} == {0, 3}
     assert [r["rejected_from"] for r in summary["preference_runs"]] == ["base", "sft", "sft"]
     assert all(r["steps"] and "loss" in r["steps"][0] for r in summary["preference_runs"])
