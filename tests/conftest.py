@@ -79,6 +79,30 @@ requires_two_gpus_on_a_gpu = pytest.mark.skipif(torch.cuda.is_available() and to
                                                 reason="two processes need two GPUs where there is a GPU (on the CPU: gloo)")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def transformers_modeling_as_it_was():
+    """Each test file gets transformers' modeling modules back as they were before it. On a GPU, Liger's kernels
+    (common.fast.model_changes.apply_liger_kernels: a test that builds a trainer with liger_kernel, the bench's
+    sections) replace names in them for the whole process: Liger puts its RMSNorm and SwiGLU classes in place of
+    LlamaRMSNorm and LlamaMLP (Qwen2's, Gemma 3's alike), and we its batch-folded RoPE in place of Llama's
+    apply_rotary_pos_emb. A later file in the same pytest-xdist worker then built its models, CPU ones too, with
+    Liger's Triton kernels ("Pointer argument cannot be accessed from Triton (cpu tensor?)") and took Liger's
+    in-place RoPE for Llama's (tests/fast/test_patches.py)."""
+    import importlib
+    for arch in ("llama", "qwen2", "gemma3"):
+        importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    saved = {name: dict(vars(module)) for name, module in list(sys.modules.items())
+             if name.startswith("transformers.models.") and ".modeling_" in name and module is not None}
+    yield
+    for name, names in saved.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for key, value in names.items():
+            if vars(module).get(key) is not value:
+                setattr(module, key, value)
+
+
 @pytest.fixture
 def fresh_compile():
     """For a test that runs FlexAttention: the compile caches are cleared before and after it. Otherwise a call

@@ -17,6 +17,13 @@ from common.metrics import rating_source_metrics
 from common.rating_sources import apply_blend, fit_blend, rating_sources
 
 TINY = "configs/tiny/review"
+# A rating read back from a saved run (RatingModel.from_run) against the one stage 03 wrote for the same paper, in
+# the same batches. On the CPU both are one computation: to float rounding. On a GPU stage 03 rated with the model
+# it had just trained, whose forward still runs in the trainer's bf16 autocast (accelerate's wrapper, left on the
+# model after training) with TF32 matmuls (common.model.precision_flags); the model read back runs neither. There
+# they agree to a thousandth of a rating point (at most 4.4e-4 apart on an H100, ratings near 3.9); a rating
+# without the trained adapter is some 0.06 off.
+READ_BACK = 1e-3 if torch.cuda.is_available() else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +101,20 @@ def test_a_paper_is_its_windows_pooled_and_unstandardised(runs):
     from common.rating_model import RatingModel, paper_inputs
     _, pairs, rating = runs
     model = RatingModel.from_run(rating)
-    dev = one_per_group(load_split(pairs, "dev"))[:2]
-    windows = [paper_inputs(r, model.tokenizer, model.config, model.kind) for r in dev]
+    device = next(model.model.parameters()).device  # predict moves its batches there; by hand, so do we
+    dev = one_per_group(load_split(pairs, "dev"))[:4]  # the papers stage 03 rated (max_eval_examples), in its batches
+    windows = [paper_inputs(r, model.tokenizer, model.config, model.kind) for r in dev[:2]]
     assert all(1 < len(w) <= model.config.rating_max_windows for w in windows)  # long papers: several windows
     assert all(len(ids) <= model.config.max_length for w in windows for ids in w)
     by_hand = []
     with torch.no_grad():
         for paper in windows:
-            scores = [float(model.model(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in paper]
+            scores = [float(model.model(input_ids=torch.tensor([ids], device=device)).logits[0, 0]) for ids in paper]
             by_hand.append(model.scale["mean"] + model.scale["sd"] * sum(scores) / len(scores))
     predicted = model.predict(dev)
-    assert predicted == pytest.approx(by_hand, abs=2e-2)  # bf16 compute: padded batches round differently
-    written = [json.loads(line) for line in (rating / "dev_ratings.jsonl").read_text().splitlines()][:2]
-    assert [w["predicted"] for w in written] == pytest.approx(predicted, abs=1e-4)
+    assert predicted[:2] == pytest.approx(by_hand, abs=2e-2)  # bf16 compute: padded batches round differently
+    written = [json.loads(line) for line in (rating / "dev_ratings.jsonl").read_text().splitlines()]
+    assert [w["predicted"] for w in written] == pytest.approx(predicted, abs=READ_BACK)
 
 
 def test_the_encoder_reads_title_abstract_and_introduction():
@@ -301,6 +309,6 @@ def test_the_encoder_and_attention_pooling_rate_as_stage_03_measured(runs, varia
     assert head == (2 if "attention" in variant else 1)
     dev = one_per_group(load_split(pairs, "dev"))[:4]
     written = [json.loads(line)["predicted"] for line in (run / "dev_ratings.jsonl").read_text().splitlines()]
-    assert model.predict(dev) == pytest.approx(written, abs=1e-4)
+    assert model.predict(dev) == pytest.approx(written, abs=READ_BACK)
     metrics = json.loads((run / "metrics.json").read_text())
     assert ("early_stopping" in metrics) == ("attention" not in variant)

@@ -18,6 +18,12 @@ def shorter(prompts, replies, **kwargs):
     return [-len(r.split()) / 10 for r in replies]
 
 
+def blind_to_the_reply(prompts, replies, **kwargs):
+    """A reward that reads only the premise: every reply to one premise gets the same, on any device
+    (stages/test_pipeline.py's GRPO run whose groups all tie)."""
+    return [float(len(json.dumps(prompt))) for prompt in prompts]
+
+
 def test_par_is_the_sigmoid_of_the_margin_over_the_reference():
     values = par([2.0, 0.0, -3.0, 800.0, -800.0], [0.0, 0.0, 1.0, 0.0, 0.0])
     assert values[0] == pytest.approx(1 / (1 + math.exp(-2))) and values[1] == 0.5

@@ -4,7 +4,14 @@ TRL runs each reply as a row of left-padded prompt + right-padded reply; the pat
 once with its replies as branches. On the tiny model with a LoRA adapter that is not the identity, the
 per-token log-probs, entropies and their gradients equal TRL's (float32 rounding, and bf16's on the
 4-bit NF4 base); the replies of a shuffled generation batch are put back together by premise, every
-row kept once."""
+row kept once.
+
+The fp32 case is float32 on a GPU too: the trainer's bf16 autocast (accelerate's, which TRL's method and
+ours enter on a GPU) is switched off for it. TRL's rows run with the attention plain TRL gives them, the
+policy's sdpa: on a GPU the patch switches the policy to FlexAttention for its packed rows, and TRL's own
+rows (6 of 112 tokens) would send FlexAttention to Inductor's decoding kernel, which offers no configuration
+for a query of 112 tokens times 2 query heads a key-value head (its block, 256 rows, exceeds the block
+mask's 128): `NoValidChoicesError`."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +40,8 @@ def trainer(request, tiny_model, tmp_path_factory):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from common.model import CAUSAL_LM, load_model, load_tokenizer, lora_config
+    from common.model import CAUSAL_LM, load_model, load_tokenizer, lora_config, unwrap_peft
+    from common.trl_compat import attn_implementation
     torch.manual_seed(0)
     config = GRPOStageConfig(model_name_or_path=str(TINY), sft_run="unused", reward_run="unused", report_to="none",
                              per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=2,
@@ -53,10 +61,15 @@ def trainer(request, tiny_model, tmp_path_factory):
                                  for i, n in enumerate(PROMPT_WORDS)])
     run = type("R", (), {"dir": tmp_path_factory.mktemp("grpo"), "manifest": {}})()
     _judge.__name__ = "judge"
+    loaded_attention = attn_implementation(unwrap_peft(model))  # sdpa: what plain TRL runs its rows with
     trainer = load_stage("04_train_grpo.py").build_trainer(config, run, model, _judge, prompts, tokenizer)
     exact_fp32()  # the trainer's arguments turned TF32 on: fp32's tolerance is float32 rounding
+    if request.param == "fp32":  # and its bf16 autocast (on a GPU; the CPU's trainer has none): fp32 throughout
+        from accelerate.utils import AutocastKwargs
+        trainer.accelerator.autocast_handler = AutocastKwargs(enabled=False)
     assert "group_in_one_sequence" in run.manifest["patches"]
     trainer.tolerance = TOLERANCE[request.param]
+    trainer.loaded_attention = loaded_attention
     return trainer
 
 
@@ -81,21 +94,31 @@ def _rows(trainer):
     return ids.to(device), mask.to(device)
 
 
-def test_log_probs_entropies_and_gradients_equal_trls_rows(trainer):
+def test_log_probs_entropies_and_gradients_equal_trls_rows(trainer, fresh_compile):
+    from common.model import unwrap_peft
+    from common.trl_compat import attn_implementation
     ids, mask = _rows(trainer)
     model = trainer.model
     model.train()
     lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
     weights = torch.randn(6, 12, generator=torch.Generator().manual_seed(2)).to(ids.device)
+    inner = unwrap_peft(model)
+    packed_attention = attn_implementation(inner)  # the patch's: flex_attention on a GPU, sdpa on the CPU
 
-    def run(method):
-        model.zero_grad(set_to_none=True)
-        logps, entropy, _ = method(model, ids, mask, 12, compute_entropy=True)
-        (logps * weights).sum().backward()
+    def run(method, attention):
+        inner.set_attn_implementation(attention)
+        try:
+            model.zero_grad(set_to_none=True)
+            logps, entropy, _ = method(model, ids, mask, 12, compute_entropy=True)
+            (logps * weights).sum().backward()
+        finally:
+            inner.set_attn_implementation(packed_attention)
         return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in lora.items()}
 
-    trl = run(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k))
-    shared = run(trainer._get_per_token_logps_and_entropies)
+    # TRL's rows as plain TRL runs them (the policy's attention as loaded), ours as the patch does
+    trl = run(lambda *a, **k: GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k),
+              trainer.loaded_attention)
+    shared = run(trainer._get_per_token_logps_and_entropies, packed_attention)
     reply = mask[:, -12:].bool()
     for ours, theirs in zip(shared[:2], trl[:2]):
         assert ours.shape == theirs.shape == (6, 12)

@@ -214,11 +214,13 @@ def test_grpo_runs_data_parallel_in_two_processes(pipeline):
 
 
 def test_grpo_whose_groups_all_tie_is_not_done(pipeline):
-    """Near-zero temperature: each premise's four replies are the same, so are their rewards, and no
-    advantage is ever non-zero; the adapter would be the SFT one, so the run must not say DONE."""
+    """A reward blind to the reply: each premise's four replies get the same reward, and no advantage is
+    ever non-zero; the adapter would be the SFT one, so the run must not say DONE. (A near-zero temperature
+    does not make the four replies the same: the tiny model's bf16 logits often tie at their top, and the
+    sampler draws among tied tokens, so on a GPU the replies, and then the judge's rewards, differed.)"""
     proc = run_stage("04_train_grpo.py", "--config", "configs/tiny/04_train_grpo.yaml", "--sft_run", pipeline["sft"],
-                     "--reward_run", pipeline["reward"], "--temperature", "1e-6", "--runs_dir", pipeline["runs"],
-                     "--run_name", "Tied_GRPO", check=False)
+                     "--reward_run", pipeline["reward"], "--reward_funcs", "tests.test_reward_terms:blind_to_the_reply",
+                     "--runs_dir", pipeline["runs"], "--run_name", "Tied_GRPO", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "equal rewards at every step" in proc.stderr.strip().splitlines()[-1]
     run = pipeline["runs"] / "Tied_GRPO"
