@@ -73,7 +73,11 @@ background() {
       fi
     fi
     t0=$(date +%s)
-    (( rc )) || "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 || rc=$?
+    if (( ! rc )); then  # in the background of this subshell, so that stop_background's TERM reaches the stage
+      "$PY" "${args[@]}" --runs_dir "$RUNS_DIR" > "$LOGS/$name.log" 2>&1 &
+      trap 'kill $! 2>/dev/null; exit 143' TERM
+      wait $! || rc=$?
+    fi
     (( rc )) || grep '^run_dir: ' "$LOGS/$name.log" | tail -1 | cut -d' ' -f2- > "$LOGS/$name.dir"
     timeline "$name" "$t0" "$rc"
     touch "$LOGS/$name.finished" ) &
@@ -81,6 +85,15 @@ background() {
 }
 BACKGROUND=() FAILED=() STOPPED=()
 declare -A ARGS_OF=() RETRIED=()
+
+# A chain that stops on an error (a stage in the foreground failed) takes its background stages with it: left
+# running they would hold the GPU and write runs after the chain has said it failed.
+stop_background() {
+  local pid
+  for pid in $(jobs -p); do kill "$pid" 2>/dev/null; done
+  return 0
+}
+trap 'rc=$?; (( rc == 0 )) || stop_background' EXIT
 
 # A stage that ran out of GPU memory beside others (a card smaller than the chain's MAX_JOBS was sized for)
 # runs again once, alone, under the next free run name, and so does a stage that waited on it (--after);

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from conftest import REPO
@@ -111,3 +112,19 @@ echo "end $name" >> "$RUNS_DIR/events"; echo "run_dir: $RUNS_DIR/$name"
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     proc = _demo(tmp_path, body, PY=str(fake), OOM="A", TWICE="1")
     assert proc.returncode == 1 and "error: stage(s) failed: a b" in proc.stdout, proc.stdout
+
+
+def test_a_chain_that_stops_on_an_error_stops_its_background_stages(tmp_path):
+    """A stage in the foreground fails while one runs in the background: the chain exits 1 at once and the
+    background stage is stopped, not left to finish and write its run after the chain said it failed."""
+    fake = tmp_path / "stages"
+    fake.write_text('#!/usr/bin/env bash\nif [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
+                    'sleep 2; touch "$RUNS_DIR/finished"; echo "run_dir: /r/$1"\n')
+    fake.chmod(0o755)
+    body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
+            'background slow sleeps.py\nx=$(stage fails.py)\necho "not reached"')
+    proc = _demo(tmp_path, body, PY=str(fake))
+    assert proc.returncode == 1 and "error: stage fails.py failed" in proc.stdout, proc.stdout
+    assert "not reached" not in proc.stdout
+    time.sleep(3)  # the background stage would have finished by now
+    assert not (tmp_path / "runs" / "finished").exists()
