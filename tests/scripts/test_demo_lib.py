@@ -10,18 +10,24 @@ from pathlib import Path
 from conftest import REPO
 
 
+def _stages(tmp_path: Path, name: str, body: str) -> str:
+    """A fake stage interpreter (the chains' PY): a bash program of `body`, its first argument the stage."""
+    fake = tmp_path / name
+    fake.write_text(f"#!/usr/bin/env bash\n{body}")
+    fake.chmod(0o755)
+    return str(fake)
+
+
 def _demo(tmp_path: Path, body: str, **env) -> subprocess.CompletedProcess:
     """A script that sources scripts/demo_lib.sh and runs `body`, with a fake stage interpreter that
     prints its arguments and a run_dir line; the script's stdout and stderr go to one file."""
-    fake = tmp_path / "python"
-    fake.write_text('#!/usr/bin/env bash\necho "stage of $1 args: ${*:2}"\necho "run_dir: /r/$1"\n')
-    fake.chmod(0o755)
+    fake = _stages(tmp_path, "python", 'echo "stage of $1 args: ${*:2}"\necho "run_dir: /r/$1"\n')
     script = tmp_path / "chain.sh"
     script.write_text(f'source "{REPO}/scripts/demo_lib.sh"\n{body}\n')
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.run(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "PY": str(fake), "RUNS_DIR": str(tmp_path / "runs"), **env})
+                              env={**os.environ, "PY": fake, "RUNS_DIR": str(tmp_path / "runs"), **env})
     return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), "")
 
 
@@ -63,13 +69,11 @@ def test_resume_takes_finished_runs_and_renames_unfinished_ones(tmp_path):
 
 
 def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
-    fake = tmp_path / "slow"
-    fake.write_text('#!/usr/bin/env bash\necho start >> "$RUNS_DIR/events"; sleep 0.5\n'
-                    'echo end >> "$RUNS_DIR/events"; echo "run_dir: /r/$1"\n')
-    fake.chmod(0o755)
+    fake = _stages(tmp_path, "slow", 'echo start >> "$RUNS_DIR/events"; sleep 0.5\n'
+                                     'echo end >> "$RUNS_DIR/events"; echo "run_dir: /r/$1"\n')
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR; '
             'for n in 1 2 3 4; do background s$n x.py; done; wait_for_all')
-    proc = _demo(tmp_path, body, MAX_JOBS="2", PY=str(fake))
+    proc = _demo(tmp_path, body, MAX_JOBS="2", PY=fake)
     assert proc.returncode == 0, proc.stdout
     running, most = 0, 0
     for event in (tmp_path / "runs" / "events").read_text().split():
@@ -81,9 +85,7 @@ def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
 def test_a_stage_out_of_gpu_memory_runs_again_alone_with_what_waited_on_it(tmp_path):
     """A stage that ran out of GPU memory beside others runs once more, alone, under the next free run name; a
     stage that waited on it (--after) runs again after it; a stage out of memory twice is a failure."""
-    fake = tmp_path / "oom"
-    fake.write_text(r'''#!/usr/bin/env bash
-name=$3; base=${name%_2}
+    fake = _stages(tmp_path, "oom", r'''name=$3; base=${name%_2}
 mkdir -p "$RUNS_DIR/$name"; echo "start $name" >> "$RUNS_DIR/events"; sleep 0.3
 if [[ " $OOM " == *" $base "* && ( ! -e "$RUNS_DIR/oom_$base" || -n $TWICE ) ]]; then
   touch "$RUNS_DIR/oom_$base"; echo "end $name"  >> "$RUNS_DIR/events"
@@ -91,12 +93,11 @@ if [[ " $OOM " == *" $base "* && ( ! -e "$RUNS_DIR/oom_$base" || -n $TWICE ) ]];
 fi
 echo "end $name" >> "$RUNS_DIR/events"; echo "run_dir: $RUNS_DIR/$name"
 ''')
-    fake.chmod(0o755)
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
             'background a x.py --run_name A\nbackground b --after a y.py --run_name B --from @a\n'
             'background c z.py --run_name C\nwait_for_all\n'
             'for n in a b c; do echo "$n: $(cat "$LOGS/$n.dir")"; done; echo "chain ok"')
-    proc = _demo(tmp_path, body, PY=str(fake), OOM="A")
+    proc = _demo(tmp_path, body, PY=fake, OOM="A")
     runs = tmp_path / "runs"
     assert proc.returncode == 0 and "chain ok" in proc.stdout, proc.stdout
     assert "stage(s) a b ran out of GPU memory beside other stages" in proc.stdout, proc.stdout
@@ -110,20 +111,18 @@ echo "end $name" >> "$RUNS_DIR/events"; echo "run_dir: $RUNS_DIR/$name"
     # out of memory twice: a failure, named
     for path in runs.iterdir():
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    proc = _demo(tmp_path, body, PY=str(fake), OOM="A", TWICE="1")
+    proc = _demo(tmp_path, body, PY=fake, OOM="A", TWICE="1")
     assert proc.returncode == 1 and "error: stage(s) failed: a b" in proc.stdout, proc.stdout
 
 
 def test_a_chain_that_stops_on_an_error_stops_its_background_stages(tmp_path):
     """A stage in the foreground fails while one runs in the background: the chain exits 1 at once and the
     background stage is stopped, not left to finish and write its run after the chain said it failed."""
-    fake = tmp_path / "stages"
-    fake.write_text('#!/usr/bin/env bash\nif [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
-                    'sleep 2; touch "$RUNS_DIR/finished"; echo "run_dir: /r/$1"\n')
-    fake.chmod(0o755)
+    fake = _stages(tmp_path, "stages", 'if [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
+                                       'sleep 2; touch "$RUNS_DIR/finished"; echo "run_dir: /r/$1"\n')
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
             'background slow sleeps.py\nx=$(stage fails.py)\necho "not reached"')
-    proc = _demo(tmp_path, body, PY=str(fake))
+    proc = _demo(tmp_path, body, PY=fake)
     assert proc.returncode == 1 and "error: stage fails.py failed" in proc.stdout, proc.stdout
     assert "not reached" not in proc.stdout
     time.sleep(3)  # the background stage would have finished by now
