@@ -59,12 +59,18 @@ declare -A GRPO_RECIPES=(
   --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
 # GRPO_BETAS: the KL anchor's strength for that recipe, one more recipe a value (par_fluency_gate_betaB), chosen on
 # dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint wins most against SFT's replies)
+# GRPO_SPG: TRL's steps_per_generation for that recipe, one more recipe a value (par_fluency_gate_spgK): with K
+# a multiple of its gradient_accumulation_steps, one rollout feeds K / that optimiser steps; its reward curve
+# beside the recipe's own shows what sharing rollouts costs in learning (docs/performance.md)
 if [[ -n $FLUENCY_MODEL ]]; then
   for b in ${GRPO_BETAS:-}; do GRPO_RECIPES[par_fluency_gate_beta$b]="${GRPO_RECIPES[par_fluency_gate]} --beta $b"; done
+  for k in ${GRPO_SPG:-}; do
+    GRPO_RECIPES[par_fluency_gate_spg$k]="${GRPO_RECIPES[par_fluency_gate]} --steps_per_generation $k"
+  done
 fi
 for name in ${GRPO_ONLY:-}; do  # a misspelt recipe is found before anything trains
   [[ -v "GRPO_RECIPES[$name]" ]] || { echo "error: GRPO_ONLY names $name, not a GRPO recipe here (${!GRPO_RECIPES[*]};" \
-    "par_fluency_gate and its betas need FLUENCY_MODEL)" >&2; exit 1; }
+    "par_fluency_gate and its betas and spg values need FLUENCY_MODEL)" >&2; exit 1; }
 done
 
 # 0. The prompt's framing, chosen on dev (FRAMINGS: a file of `NAME SYSTEM PROMPT` lines, NAME `none` for no

@@ -36,8 +36,10 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
   HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt}
 # the GRPO recipes: the raw judge score, and PAR with the fluency gate at beta 0 and at each of GRPO_BETAS (the KL
 # anchor's sweep, chosen on dev: persuasion_real_weights.json's grpo_chosen_on_dev)
-betas=(); for b in $GRPO_BETAS; do betas+=("par_fluency_gate_beta$b"); done
-export GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate ${betas[*]}}
+# (GRPO_SPG: the same at each of TRL's steps_per_generation values, for their reward curves)
+variants=(); for b in $GRPO_BETAS; do variants+=("par_fluency_gate_beta$b"); done
+for k in ${GRPO_SPG:-}; do variants+=("par_fluency_gate_spg$k"); done
+export GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate ${variants[*]}}
 # MAX_JOBS, stages at once, from the GPU's memory: one a 20 GiB (3 on an 80 GB H100, 7 on an H200; 8 without
 # nvidia-smi). At 17.5 GiB an H100 ran four practice stages, and DPO (25 GiB at its peak) and a GRPO recipe ran out
 # of memory beside ORPO, which held 33 GiB for a 22.7 GiB peak (docs/results.md, seventh run); on an H200 sixteen
