@@ -86,6 +86,14 @@ background() {
 BACKGROUND=() FAILED=() STOPPED=()
 declare -A ARGS_OF=() RETRIED=()
 
+# `gpu_jobs GIB`: how many stages of GIB GiB each the GPU's memory holds (at least 1; 8 without nvidia-smi), a
+# chain's default MAX_JOBS.
+gpu_jobs() {
+  local mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+  echo $(( ${mib:-0} >= $1 * 1024 ? ${mib:-0} / ($1 * 1024) : (${mib:-0} > 0 ? 1 : 8) ))
+}
+
 # A chain that stops on an error (a stage in the foreground failed) takes its background stages with it: left
 # running they would hold the GPU and write runs after the chain has said it failed.
 stop_background() {

@@ -45,8 +45,7 @@ export GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate ${variants[*]}}
 # of memory beside ORPO, which held 33 GiB for a 22.7 GiB peak (docs/results.md, seventh run); on an H200 sixteen
 # stages at once did (fifteen judge candidates beside SFT). A stage that runs out of memory beside others still
 # runs again alone (scripts/demo_lib.sh's wait_for_all).
-gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-export MAX_JOBS=${MAX_JOBS:-$(( ${gpu_mib:-0} >= 20480 ? ${gpu_mib:-0} / 20480 : 8 ))}
+export MAX_JOBS=${MAX_JOBS:-$(gpu_jobs 20)}
 t0=$(date +%s)
 # MODELS: those the candidates need (the practice candidates: qwen15 gemma270 smol; 22 fewer pieces to carry)
 declare -A MODEL_DIRS=([qwen15]=qwen2.5-coder-1.5b-instruct [gemma270]=gemma-3-270m [smol]=smollm2-135m-instruct

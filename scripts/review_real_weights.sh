@@ -13,7 +13,8 @@
 # 03_train_rating*.yaml; empty: none), the one of lowest dev MAE rating every test paper beside the
 # reviews' own ratings, with a dev eval of SFT at the picked decoding to fit the blend (docs/review.md,
 # "Every rating source"). The rating models train in the background beside SFT and the stages after it, which
-# they do not need (their logs in LOGS, default RUNS_DIR/logs). Prints the report's and the summary's paths.
+# they do not need; DPO, ORPO and the blend's dev eval run at once after the pick (every background stage's log in
+# LOGS, default RUNS_DIR/logs; MAX_JOBS: stages at once). Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu/review}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
@@ -31,6 +32,7 @@ read -ra RATING_CONFIGS <<<"${RATING_CONFIGS-$(echo "$RECIPE"/03_train_rating*.y
 (( ${#RATING_CONFIGS[@]} )) && [[ ! -f ${RATING_CONFIGS[0]} ]] && RATING_CONFIGS=()
 LOGS=${LOGS:-$RUNS_DIR/logs}
 mkdir -p "$LOGS"
+export MAX_JOBS=${MAX_JOBS:-$(gpu_jobs 20)}
 for i in "${!RATING_CONFIGS[@]}"; do
   background "rating_$i" 03_train_reward.py --config "${RATING_CONFIGS[i]}" --pairs_run "$pairs"
 done
@@ -48,28 +50,36 @@ decoding=$(sed -n 1p <<<"$picked")
 reading=$(sed -n 2p <<<"$picked")
 echo "picked on the dev papers: $decoding $reading" >&2
 
+# DPO with base-written and with SFT-written rejected reviews, ORPO, and (with rating models) SFT's dev reviews
+# at the picked decoding, which fit the blend of the ratings: each reads only SFT's run, so they run at once,
+# beside the rating models (MAX_JOBS stages at once, by default as many as the GPU's memory holds at 20 GiB a
+# stage; one that runs out of memory beside the others runs again alone: scripts/demo_lib.sh)
+# shellcheck disable=SC2086  # the flags are words
+background dpo_base 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding
 # shellcheck disable=SC2086
-dpo_base=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding)
+background dpo_sft 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding
 # shellcheck disable=SC2086
-dpo_sft=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding)
-# shellcheck disable=SC2086
-orpo=$(stage 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft --loss orpo \
-  $decoding)
+background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft \
+  --loss orpo $decoding
+if (( ${#RATING_CONFIGS[@]} )); then
+  # shellcheck disable=SC2086
+  background dev_eval 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
+    --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}"
+fi
+wait_for_all
+dpo_base=$(cat "$LOGS/dpo_base.dir") dpo_sft=$(cat "$LOGS/dpo_sft.dir") orpo=$(cat "$LOGS/orpo.dir")
 
-# The rating model: of RATING_CONFIGS' runs, the one of lowest dev MAE kept; the SFT model's reviews of the dev
-# papers at the picked decoding fit the blend of the ratings.
+# The rating model: of RATING_CONFIGS' runs, the one of lowest dev MAE kept, with the blend fitted on SFT's dev
+# reviews; and RERANK_N (default 4) sampled SFT reviews a test paper, the one whose rating is nearest the rating
+# model's kept.
 rating_flags=()
 if (( ${#RATING_CONFIGS[@]} )); then
-  wait_for_all
   ratings=()
   for i in "${!RATING_CONFIGS[@]}"; do ratings+=("$(cat "$LOGS/rating_$i.dir")"); done
   rating=$("$PY" -c 'import json, sys
 print(min(sys.argv[1:], key=lambda run: json.load(open(run + "/metrics.json"))["rating_mae"]))' "${ratings[@]}")
   echo "rating model picked on the dev papers: $rating" >&2
-  # shellcheck disable=SC2086
-  dev_eval=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
-    --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}")
-  # and RERANK_N (default 4) sampled SFT reviews a test paper, the one whose rating is nearest the rating model's kept
+  dev_eval=$(cat "$LOGS/dev_eval.dir")
   rating_flags=(--rating_run "$rating" --rating_dev_run "$dev_eval" --rerank_by_rating "${RERANK_N:-4}")
 fi
 
