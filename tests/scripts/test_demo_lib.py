@@ -127,3 +127,17 @@ def test_a_chain_that_stops_on_an_error_stops_its_background_stages(tmp_path):
     assert "not reached" not in proc.stdout
     time.sleep(3)  # the background stage would have finished by now
     assert not (tmp_path / "runs" / "finished").exists()
+
+
+def test_gpu_jobs_counts_the_stages_a_gpus_memory_holds(tmp_path):
+    """A chain's default MAX_JOBS: 20 GiB a stage is 3 on an 80 GB H100 (81,559 MiB), 7 on an H200 (143,771 MiB),
+    1 on a card smaller than a stage; 8 where nvidia-smi says nothing (a machine without a GPU)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    counts = {}
+    for mib in (81559, 143771, 16384, None):
+        _stages(bin_dir, "nvidia-smi", f"echo {mib}\n" if mib else "exit 127\n")
+        proc = _demo(tmp_path, "gpu_jobs 20", PATH=f"{bin_dir}:{os.environ['PATH']}")
+        assert proc.returncode == 0, proc.stdout
+        counts[mib] = int(proc.stdout.strip())
+    assert counts == {81559: 3, 143771: 7, 16384: 1, None: 8}
