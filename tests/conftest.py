@@ -129,12 +129,21 @@ def random_lora(model, seed: int, std: float = 0.05) -> None:
                 p.normal_(0, std)
 
 
+def set_tf32(on: bool) -> tuple[str, str]:
+    """Turn TF32 for fp32 matmuls and convolutions on or off; return the settings it replaced. Through torch's
+    `fp32_precision` API only: transformers sets TF32 with it, and once it has, reading the older `allow_tf32`
+    flag raises ("mix of the legacy and new APIs")."""
+    previous = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
+    mode = "tf32" if on else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = mode
+    return previous
+
+
 def exact_fp32() -> None:
     """Equivalence tests compare in fp32 to float precision; on a GPU the trainers turn on TF32 matmuls
     (common.model.precision_flags), which round to 10 bits of mantissa: off again for the comparison."""
     if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        set_tf32(False)
 
 
 def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, set_tf32
 from test_token_budget import BUDGET, _lora_model, _relative_error, build, one_step
 
 from common.config import ConfigError, ModelArgs, RewardStageConfig
@@ -115,8 +115,7 @@ def _tf32_on_a_gpu():
     fp32 attention ("No choices exist for backend"). Not the tiny shape: head_dim 16 is the smallest the
     Triton template takes, and a stage's model (bf16 parts on the 4-bit base) never runs fp32 attention."""
     if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)
 
 
 def test_padding_free_budget_counts_real_tokens(tmp_path):
