@@ -197,6 +197,9 @@ def train(trainer, run) -> dict:
     # Accelerate wraps the model's forward in the run's autocast (bf16 on a GPU) for good: what a stage does with
     # the model after training (the judge's audit, the rating model's dev ratings) must run as stage 05 runs it.
     trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+    # For the same reason fp32 matmuls go back to full precision: the trainer's arguments turned TF32 on for the
+    # whole process (precision_flags), and stage 05's process never does.
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
     history = trainer.state.log_history  # restored from the checkpoint: it covers the earlier segments
     metrics = {"train": {**dict(result.metrics), **whole_run_metrics(history, run.manifest["segments"])},
                "global_step": trainer.state.global_step, "resumed_from": checkpoint, "log_history": history,

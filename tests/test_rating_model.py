@@ -18,10 +18,10 @@ from common.rating_sources import apply_blend, fit_blend, rating_sources
 
 TINY = "configs/tiny/review"
 # A rating read back from a saved run (RatingModel.from_run) against the one stage 03 wrote for the same paper, in
-# the same batches. On the CPU both are one computation: to float rounding. On a GPU stage 03's process runs its
-# fp32 matmuls in TF32 (common.model.precision_flags), and until train() took the trainer's bf16 autocast off the
-# model, rated its dev papers inside it too (then at most 4.4e-4 apart on an H100, ratings near 3.9); the model read
-# back runs neither. A thousandth of a rating point; a rating without the trained adapter is some 0.06 off.
+# the same batches. On the CPU both are one computation: to float rounding. On a GPU stage 03's process rated its
+# dev papers inside the trainer's bf16 autocast with TF32 fp32 matmuls (common.model.precision_flags), 4.4e-4 at
+# most from the model read back (an H100, ratings near 3.9); train() now ends both, and the tolerance stays a
+# thousandth of a rating point until a GPU run measures the gap again (without the trained adapter: some 0.06 off).
 READ_BACK = 1e-3 if torch.cuda.is_available() else 1e-4
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from conftest import TINY
+from conftest import TINY, set_tf32
 
 
 def test_after_training_the_model_runs_outside_the_runs_autocast(tmp_path, tiny_model):
-    """A bf16 run (here on the CPU's autocast, as a GPU's) leaves the model's forward wrapped in it; stage 03
-    then rated its dev papers in bf16 and stage 05 the same model in float32. After train() the forward is the
-    model's own: its logits equal the class's forward, exactly."""
+    """A bf16 run (here on the CPU's autocast, as a GPU's) leaves the model's forward wrapped in it, and on a GPU
+    TF32 on for the process; stage 03 then rated its dev papers in bf16 and stage 05 the same model in float32.
+    After train() the forward is the model's own (its logits equal the class's forward, exactly) and fp32
+    matmuls are full precision again."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -23,7 +24,13 @@ def test_after_training_the_model_runs_outside_the_runs_autocast(tmp_path, tiny_
                              per_device_train_batch_size=2, report_to="none", save_strategy="no")
     trainer = Trainer(model=model, args=args, train_dataset=data)
     run = SimpleNamespace(dir=tmp_path, manifest={}, save_manifest=lambda: None, task="cmv", is_main=True)
-    train(trainer, run)
+    previous = set_tf32(True)  # what TrainingArguments(tf32=True) does on a GPU (transformers' enable_tf32)
+    try:
+        train(trainer, run)
+        tf32_after = torch.backends.cuda.matmul.fp32_precision
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = previous
+    assert tf32_after == "ieee"  # fp32 matmuls after training run in full precision, as in stage 05's process
     with torch.no_grad():
         called = trainer.model(input_ids=ids[:1]).logits
         own = type(trainer.model).forward(trainer.model, input_ids=ids[:1]).logits
