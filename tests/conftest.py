@@ -139,6 +139,16 @@ def set_tf32(on: bool) -> tuple[str, str]:
     return previous
 
 
+@contextlib.contextmanager
+def tf32(on: bool):
+    """set_tf32 for the block, the settings before it restored after."""
+    previous = set_tf32(on)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = previous
+
+
 def exact_fp32() -> None:
     """Equivalence tests compare in fp32 to float precision; on a GPU the trainers turn on TF32 matmuls
     (common.model.precision_flags), which round to 10 bits of mantissa: off again for the comparison."""

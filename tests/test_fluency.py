@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import set_tf32
+from conftest import tf32
 
 from common.fluency import FluencyScorer, perplexity
 from common.scorers import Scorer, load_scorer
@@ -46,11 +46,8 @@ def test_scores_do_not_depend_on_the_batch(smol_model):
             assert abs(a - b) < 2 * 2 ** -8 * abs(b), (a, b)
         for scorer in (batched, single):
             scorer.model.float()
-        previous = set_tf32(False)  # a trainer may have turned it on
-        try:
+        with tf32(False):  # a trainer may have turned it on
             pairs = list(together_and_alone())
-        finally:
-            torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = previous
     else:
         assert next(batched.model.parameters()).dtype == torch.float32
         pairs = list(together_and_alone())

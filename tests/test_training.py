@@ -4,7 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from conftest import TINY, set_tf32
+from conftest import TINY, tf32
 
 
 def test_after_training_the_model_runs_outside_the_runs_autocast(tmp_path, tiny_model):
@@ -24,12 +24,9 @@ def test_after_training_the_model_runs_outside_the_runs_autocast(tmp_path, tiny_
                              per_device_train_batch_size=2, report_to="none", save_strategy="no")
     trainer = Trainer(model=model, args=args, train_dataset=data)
     run = SimpleNamespace(dir=tmp_path, manifest={}, save_manifest=lambda: None, task="cmv", is_main=True)
-    previous = set_tf32(True)  # what TrainingArguments(tf32=True) does on a GPU (transformers' enable_tf32)
-    try:
+    with tf32(True):  # what TrainingArguments(tf32=True) does on a GPU (transformers' enable_tf32)
         train(trainer, run)
         tf32_after = torch.backends.cuda.matmul.fp32_precision
-    finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = previous
     assert tf32_after == "ieee"  # fp32 matmuls after training run in full precision, as in stage 05's process
     with torch.no_grad():
         called = trainer.model(input_ids=ids[:1]).logits
