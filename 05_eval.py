@@ -47,7 +47,7 @@ from common import best_of_n, eval_inputs, fast
 from common.cli import cli
 from common.config import EvalConfig
 from common.data import DataError, fit_prompt, load_split, one_per_group, read_json, write_json, write_jsonl
-from common.eval_outputs import describe_decoding, headline, reply_rows, report_sections
+from common.eval_outputs import describe_decoding, headline, kept_step, reply_rows, report_sections
 from common.eval_scoring import JudgePanel, Scores, fluency_scores, judge_all, judge_panel, shared_metrics
 from common.generation import adapter_on, decoder_backends, in_groups, replies_of
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
@@ -235,6 +235,8 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
     for name, path in adapters.items():  # which run each model's adapter came from (grpo, grpo2, ... by name)
         if name in results:
             results[name]["run"] = path.parent.name
+            if kept := kept_step(path.parent):  # a GRPO adapter chosen on dev: which step
+                results[name]["checkpoint_kept"] = kept
     # a held-out judge of a family a model practised against does not count for it
     practised = eval_inputs.practised_against(run, adapters, judges, (run.manifest.get("best_of_n") or {}).get(
         "scorer") if "best_of_n" in results else None)

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from common import eval_inputs
+from common.data import read_json
 from common.judges import gain_lines
 from common.report import judges_section, md
 from common.verdict import family_lines, fluency_model_line, model_family, verdict_lines
@@ -58,7 +59,7 @@ def report_sections(config, manifest: dict, task, results: dict, judges: dict, t
 def headline(config, manifest: dict, results: dict, judges: dict, fluency_measured: bool) -> list[str]:
     """The report's opening lines: each model's verdict, the run each model came from, the judges' families,
     and the fluency model's."""
-    runs = [f"{name} = {md(r['run'])}" for name, r in results.items() if isinstance(r, dict) and r.get("run")]
+    runs = [model_line(name, r) for name, r in results.items() if isinstance(r, dict) and r.get("run")]
     return verdict_lines(results, judges, {n: r["verdict"] for n, r in results.items() if "verdict" in r}) + \
         (["Models: " + "; ".join(runs) + "."] if runs else []) + \
         family_lines(judges) + (fluency_model_line(manifest.get("fluency", {}).get("fluency_family"),
@@ -66,6 +67,24 @@ def headline(config, manifest: dict, results: dict, judges: dict, fluency_measur
                                                    config.fluency_model_name_or_path,
                                                    manifest.get("fluency", {}).get("human_replies"))
                                 if judges or fluency_measured else [])
+
+
+def kept_step(run_dir: Path) -> dict | None:
+    """For a GRPO run whose adapter was chosen on dev (stage 04's checkpoint_eval_steps): the step kept, and the
+    steps it was chosen among; None for any other run."""
+    choice = read_json(Path(run_dir) / "metrics.json").get("checkpoint_choice")
+    return {"step": choice["chosen_step"], "of": [c["step"] for c in choice["curve"]]} if choice else None
+
+
+def model_line(name: str, result: dict) -> str:
+    """`name = run`, with the step a dev choice kept. Step 0 is the adapter the run started from: its rows
+    against SFT then compare two decodes of one model (when it started from SFT), not practice."""
+    kept = result.get("checkpoint_kept")
+    if not kept:
+        return f"{name} = {md(result['run'])}"
+    steps = ", ".join(map(str, kept["of"]))
+    started = ": the adapter it started from" if kept["step"] == 0 else ""
+    return f"{name} = {md(result['run'])} (step {kept['step']} of {steps} kept on dev{started})"
 
 
 def describe_decoding(config, manifest: dict) -> str:
