@@ -232,10 +232,11 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
     could not be captured fell back to eager decoding steps (slower, the same tokens): recorded."""
     run.manifest["backends"]["decoder_fallbacks"] = list(fast.GRAPH_FAILURES)
     results, judges = scores.results, panel.info
+    metrics = {name: read_json(path.parent / "metrics.json") for name, path in adapters.items()}
     for name, path in adapters.items():  # which run each model's adapter came from (grpo, grpo2, ... by name)
         if name in results:
             results[name]["run"] = path.parent.name
-            if kept := kept_step(path.parent):  # a GRPO adapter chosen on dev: which step
+            if kept := kept_step(metrics[name]):  # a GRPO adapter chosen on dev: which step
                 results[name]["checkpoint_kept"] = kept
     # a held-out judge of a family a model practised against does not count for it
     practised = eval_inputs.practised_against(run, adapters, judges, (run.manifest.get("best_of_n") or {}).get(
@@ -247,7 +248,7 @@ def write_outputs(config: EvalConfig, run: Run, task, premises: list[dict], adap
     write_json(run.dir / "eval.json", {**results, **report.baselines, **judge_info})
     write_jsonl(run.dir / "replies.jsonl", reply_rows(task, premises, made.replies, scores, made.candidates,
                                                       report.per_reply, made.cut, made.candidate_cut))
-    grpo = {name: read_json(path.parent / "metrics.json").get("per_step") for name, path in adapters.items()
+    grpo = {name: metrics[name].get("per_step") for name, path in adapters.items()
             if read_json(path.parent / "manifest.json").get("stage") == "GRPO"}
     plots = {**plot_distributions(run.dir, made.replies, scores.rewards, task.NOUNS["premises"]),
              **plot_watch(run.dir, grpo), **report.plots(run.dir)}

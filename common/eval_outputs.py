@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 from common import eval_inputs
-from common.data import read_json
 from common.judges import gain_lines
 from common.report import judges_section, md
 from common.verdict import family_lines, fluency_model_line, model_family, verdict_lines
@@ -69,10 +68,10 @@ def headline(config, manifest: dict, results: dict, judges: dict, fluency_measur
                                 if judges or fluency_measured else [])
 
 
-def kept_step(run_dir: Path) -> dict | None:
-    """For a GRPO run whose adapter was chosen on dev (stage 04's checkpoint_eval_steps): the step kept, and the
-    steps it was chosen among; None for any other run."""
-    choice = read_json(Path(run_dir) / "metrics.json").get("checkpoint_choice")
+def kept_step(metrics: dict) -> dict | None:
+    """From a run's metrics.json: for a GRPO run whose adapter was chosen on dev (stage 04's
+    checkpoint_eval_steps), the step kept and the steps it was chosen among; None for any other run."""
+    choice = metrics.get("checkpoint_choice")
     return {"step": choice["chosen_step"], "of": [c["step"] for c in choice["curve"]]} if choice else None
 
 

@@ -194,17 +194,17 @@ def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
 
 
 @pytest.mark.stage
-def test_stage_05_names_the_step_a_grpo_run_kept(grpo_with_terms, tmp_path):
+def test_stage_05_names_the_step_a_grpo_run_kept(grpo_with_terms):
     """Stage 05's Models line says which step a dev choice kept; step 0 is the adapter the run started from, whose
     rows against SFT compare two decodes of one model."""
     from common.eval_outputs import kept_step, model_line
     run = grpo_with_terms
-    chosen = json.loads((run / "metrics.json").read_text())["checkpoint_choice"]["chosen_step"]
-    assert kept_step(run) == {"step": chosen, "of": [0, 1, 2]}
-    assert model_line("grpo", {"run": "G", "checkpoint_kept": kept_step(run)}).startswith(
+    metrics = json.loads((run / "metrics.json").read_text())
+    chosen = metrics["checkpoint_choice"]["chosen_step"]
+    assert kept_step(metrics) == {"step": chosen, "of": [0, 1, 2]}
+    assert model_line("grpo", {"run": "G", "checkpoint_kept": kept_step(metrics)}).startswith(
         f"grpo = G (step {chosen} of 0, 1, 2 kept on dev")
     assert model_line("grpo", {"run": "G", "checkpoint_kept": {"step": 0, "of": [0, 4, 8]}}) == \
         "grpo = G (step 0 of 0, 4, 8 kept on dev: the adapter it started from)"
     assert model_line("dpo", {"run": "D"}) == "dpo = D"
-    (tmp_path / "metrics.json").write_text('{"global_step": 2}')  # a run with no dev choice (DPO, SFT, GRPO without it)
-    assert kept_step(tmp_path) is None
+    assert kept_step({"global_step": 2}) is None  # a run with no dev choice (DPO, SFT, GRPO without it)
