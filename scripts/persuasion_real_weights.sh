@@ -28,7 +28,7 @@
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
 # SMOL, ENCODER_JUDGE, DECODER_JUDGE, CANDIDATES_FILE: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes
 # to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
-# --max_prompts 256); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
+# --max_prompts 256); CHECKPOINT_EVAL_STEPS: the gated recipes' steps between dev-scored checkpoints (default 4); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
 # RUNS_DIR/logs): one log a stage. Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu}
@@ -36,6 +36,7 @@ PAIRS_CONFIG=${PAIRS_CONFIG:-configs/smol/01_build_pairs.yaml}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
 LOGS=${LOGS:-$RUNS_DIR/logs}
 GRPO_ARGS=${GRPO_ARGS:-}
+CHECKPOINT_EVAL_STEPS=${CHECKPOINT_EVAL_STEPS:-4}
 BEST_OF_N=${BEST_OF_N:-4}
 MAX_PREMISES=${MAX_PREMISES:-1000}
 OTHER_FAMILIES=${OTHER_FAMILIES:-2}
@@ -56,7 +57,7 @@ declare -A GRPO_RECIPES=(
 )
 # the anchored, gated recipe (its dev judge is only known after the sweep: DEV_JUDGE below)
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
-  --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps 4"
+  --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
 # GRPO_BETAS: the KL anchor's strength for that recipe, one more recipe a value (par_fluency_gate_betaB), chosen on
 # dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint wins most against SFT's replies)
 # GRPO_SPG: TRL's steps_per_generation for that recipe, one more recipe a value (par_fluency_gate_spgK): with K
