@@ -404,3 +404,17 @@ def test_the_steps_per_generation_rows_run_on_the_tiny_model(tmp_path):
     # the generation batch is one micro-batch times steps_per_generation: twice as large at 8 as at 4
     assert rows[1]["generation_batch"] == 2 * rows[0]["generation_batch"] > 0
     assert all(r["seconds_per_step"] > 0 and r["steps_timed"] >= 1 for r in rows)
+
+
+def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tmp_path):
+    """bench/decode_determinism.py, the GPU's check of greedy reproducibility: a row for each decoder variant;
+    on the CPU every variant writes the same replies in every repeat, so a decoder whose state leaked from one
+    decode into the next would show here."""
+    import decode_determinism
+    decode_determinism.main(["--tiny", "--out", str(tmp_path), "--prompts", "3", "--new_tokens", "6", "--repeats", "3"])
+    rows = json.loads((tmp_path / "determinism.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["static (as 05: bf16 copies, CUDA graph)", "static, no CUDA graph",
+                                            "static, 4-bit base", "transformers generate"]
+    for row in rows:
+        assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
+    assert rows[0]["equal_to_first_variant"] == 3
