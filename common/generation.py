@@ -27,7 +27,8 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
 def replies_and_cuts(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
                      repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, temperature: float = 0.0,
                      weights: str = "nf4", seed: int | None = None, static: bool = True) -> tuple[list[str], list[bool]]:
-    """Replies of a frozen model: greedy at temperature 0 (reproducible), else sampled from `seed`;
+    """Replies of a frozen model: greedy at temperature 0, else sampled from `seed` (on a GPU the static
+    decoder's greedy replies differ between runs, transformers' generate's do not: docs/results.md, ninth run);
     left-padded batches, special tokens stripped; and for each, whether `max_new_tokens` stopped it before
     the model wrote an end token (the decoder's own tokens say so: a text rule such as "ends without a full
     stop" would miss a reply cut after a sentence, or a review's closing "Rating: 6"). `weights` "bf16": the
