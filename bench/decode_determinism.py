@@ -12,7 +12,8 @@ prompts (the pairs run's test prompts, else random tokens of real prompt lengths
 --repeats times by each variant: the static decoder as 05 runs it (bf16 base copies, one CUDA graph a
 decode), without the graph, on the 4-bit base, with the decode attention held to one SDPA backend, and
 transformers' generate. Writes determinism.json: for each variant, the replies equal in every repeat, the
-median token where a repeat first differs from the first, and the replies equal to the first variant's.
+median token where a repeat first differs from the first, and the replies equal to the first variant's; and
+the SDPA backend torch picks for the decode step's attention.
 """
 from __future__ import annotations
 
@@ -96,10 +97,28 @@ def variants(model, tok, args):
     found = {"static (as 05: bf16 copies, CUDA graph)": static(), "static, no CUDA graph": static(cuda_graph=False),
              "static, 4-bit base": static(weights="nf4")}
     if torch.cuda.is_available():
-        for backend in ("MATH", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        for backend in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
             found[f"static, attention {backend.lower()} only"] = static(attention=[getattr(SDPBackend, backend)])
     found["transformers generate"] = hf_generate
     return found
+
+
+def attention_backend(model, batch: int, length: int) -> str:
+    """The SDPA backend that the decode step's attention (one query a sequence, GQA, an additive mask) runs
+    on, as torch chooses it among the step's allowed backends."""
+    from torch.nn.attention import sdpa_kernel
+
+    from common.fast.decode_step import DECODE_ATTENTION
+    from common.model import unwrap_peft
+    cfg, p = unwrap_peft(model).config, next(model.parameters())
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q = torch.zeros(batch, cfg.num_attention_heads, 1, hd, dtype=torch.bfloat16, device=p.device)
+    kv = torch.zeros(batch, cfg.num_key_value_heads, length, hd, dtype=torch.bfloat16, device=p.device)
+    bias = torch.zeros(batch, 1, 1, length, dtype=torch.bfloat16, device=p.device)
+    with sdpa_kernel(DECODE_ATTENTION):
+        chosen = torch._fused_sdp_choice(q, kv, kv, attn_mask=bias, dropout_p=0.0, is_causal=False, scale=hd ** -0.5,
+                                         enable_gqa=True)
+    return {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}.get(chosen, str(chosen))
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -142,7 +161,8 @@ def main(argv=None):
                          "equal_to_first_variant": sum(a == b for a, b in zip(runs[0], reference)),
                          "seconds": round(seconds, 1)})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"meta": bench.meta(args), "rows": rows}
+    result = {"meta": bench.meta(args), "rows": rows,
+              "decode_attention_backend": attention_backend(model, len(ids), max(map(len, ids)) + args.new_tokens)}
     (out / "determinism.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {out / 'determinism.json'}")
 

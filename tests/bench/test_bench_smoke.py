@@ -418,3 +418,4 @@ def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tm
     for row in rows:
         assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
     assert rows[0]["equal_to_first_variant"] == 3
+    assert json.loads((tmp_path / "determinism.json").read_text())["decode_attention_backend"] in {"math", "flash"}
