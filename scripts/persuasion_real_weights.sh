@@ -16,7 +16,8 @@
 # on dev_later of each of the OTHER_FAMILIES (default 2) best other families (scripts/judges_later_posts.py
 # families): 05's verdict needs two families. FLUENCY_MODEL (a causal LM, best of another family than the
 # writer): 05 checks every reply's fluency under it, and the GRPO recipe par_fluency_gate runs: the judge
-# as PAR, replies below SFT's fluency gated to 0, a checkpoint every 4 steps chosen on dev by the best
+# as PAR, replies below SFT's fluency gated to 0, a KL anchor to SFT (GATE_BETA, default 0.04), a checkpoint every
+# CHECKPOINT_EVAL_STEPS (default 4) steps chosen on dev by the best
 # judges of the other families and the fluency check. DECODING: the decoding's arguments, chosen on dev
 # earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; CROSSFIT=0 the cross-fit. SFT_RUN: a
 # finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
@@ -28,7 +29,7 @@
 # (default configs/smol/01_build_pairs.yaml); PAIRS_RUN: a finished pairs run to start from; MINILM,
 # SMOL, ENCODER_JUDGE, DECODER_JUDGE, CANDIDATES_FILE: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes
 # to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
-# --max_prompts 256); CHECKPOINT_EVAL_STEPS: the gated recipes' steps between dev-scored checkpoints (default 4); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
+# --max_prompts 256); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
 # RUNS_DIR/logs): one log a stage. Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu}
@@ -56,15 +57,17 @@ declare -A GRPO_RECIPES=(
   [lr3e-4_unscaled]="--learning_rate 3e-4 --scale_rewards none"
 )
 # the anchored, gated recipe (its dev judge is only known after the sweep: DEV_JUDGE below)
-[[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="--learning_rate 1e-4 --reward_funcs par fluency \
-  --reward_weights 1 1 --fluency_mode gate --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
-# GRPO_BETAS: the KL anchor's strength for that recipe, one more recipe a value (par_fluency_gate_betaB), chosen on
+# GATE_BETA: its KL anchor's strength, 0.04 as chosen on dev among 0.01, 0.04 and 0.1 (docs/results.md, ninth run)
+gate="--learning_rate 1e-4 --reward_funcs par fluency --reward_weights 1 1 --fluency_mode gate \
+  --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
+[[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="$gate --beta ${GATE_BETA:-0.04}"
+# GRPO_BETAS: that recipe at other strengths, one more recipe a value (par_fluency_gate_betaB), chosen among on
 # dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint wins most against SFT's replies)
 # GRPO_SPG: TRL's steps_per_generation for that recipe, one more recipe a value (par_fluency_gate_spgK): with K
 # a multiple of its gradient_accumulation_steps, one rollout feeds K / that optimiser steps; its reward curve
 # beside the recipe's own shows what sharing rollouts costs in learning (docs/performance.md)
 if [[ -n $FLUENCY_MODEL ]]; then
-  for b in ${GRPO_BETAS:-}; do GRPO_RECIPES[par_fluency_gate_beta$b]="${GRPO_RECIPES[par_fluency_gate]} --beta $b"; done
+  for b in ${GRPO_BETAS:-}; do GRPO_RECIPES[par_fluency_gate_beta$b]="$gate --beta $b"; done
   for k in ${GRPO_SPG:-}; do
     GRPO_RECIPES[par_fluency_gate_spg$k]="${GRPO_RECIPES[par_fluency_gate]} --steps_per_generation $k"
   done

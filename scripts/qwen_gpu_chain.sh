@@ -30,12 +30,12 @@ SMOL_RECIPE=${SMOL_RECIPE:-configs/smol-gpu}  # SmolLM2's base replies, beside t
 LOGS=${LOGS:-$RUNS_DIR/logs}; mkdir -p "$LOGS"
 export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_candidates.txt} \
   ENSEMBLE_SIZES=${ENSEMBLE_SIZES-2} CROSSFIT=${CROSSFIT:-0} FROM_BASE=${FROM_BASE:-0} \
-  GRPO_BETAS=${GRPO_BETAS-0.01 0.04 0.1} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
+  GRPO_BETAS=${GRPO_BETAS-0 0.01 0.1} GRPO_ARGS=${GRPO_ARGS:---max_prompts 64} \
   FLUENCY_MODEL=${FLUENCY_MODEL:-.cache/models/gemma-3-270m} \
   DECODING=${DECODING-"--temperature 0 --repetition_penalty 1.2 --no_repeat_ngram_size 0"} \
   HARD_NEGATIVES=${HARD_NEGATIVES:-1} RAFT_GREEDY=${RAFT_GREEDY:-1} FRAMINGS=${FRAMINGS-configs/qwen-gpu/framings.txt}
-# the GRPO recipes: the raw judge score, and PAR with the fluency gate at beta 0 and at each of GRPO_BETAS (the KL
-# anchor's sweep, chosen on dev: persuasion_real_weights.json's grpo_chosen_on_dev)
+# the GRPO recipes: the raw judge score, and PAR with the fluency gate at its KL anchor's strength (GATE_BETA, 0.04)
+# and at each of GRPO_BETAS (the rest of the sweep, chosen among on dev: persuasion_real_weights.json's grpo_chosen_on_dev)
 # (GRPO_SPG: the same at each of TRL's steps_per_generation values, for their reward curves)
 variants=(); for b in $GRPO_BETAS; do variants+=("par_fluency_gate_beta$b"); done
 for k in ${GRPO_SPG:-}; do variants+=("par_fluency_gate_spg$k"); done

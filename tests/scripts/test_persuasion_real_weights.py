@@ -286,6 +286,7 @@ def test_a_grpo_recipe_that_is_not_one_stops_the_chain_before_anything_trains(tm
     grpo = [line for line in (tmp_path / "calls").read_text().splitlines()
             if line.startswith("04_train_grpo.py") and "--run_name GRPO_par" in line]
     assert len(grpo) == 1 and "--beta 0.05" in grpo[0] and "--reward_funcs par fluency" in grpo[0], grpo
+    assert grpo[0].count("--beta") == 1, grpo  # the sweep's value replaces the recipe's own, not added to it
     # the same recipe at one of TRL's steps_per_generation values: one more GRPO run, the gated recipe's arguments
     (tmp_path / "calls").unlink()
     code, out = _chain(tmp_path, GRPO_ONLY="par_fluency_gate par_fluency_gate_spg4", GRPO_SPG="4", FLUENCY_MODEL="lm",
@@ -294,4 +295,5 @@ def test_a_grpo_recipe_that_is_not_one_stops_the_chain_before_anything_trains(tm
     grpo = sorted(line for line in (tmp_path / "calls").read_text().splitlines()
                   if line.startswith("04_train_grpo.py") and "--run_name GRPO_par" in line)
     assert len(grpo) == 2 and "--steps_per_generation 4" in grpo[1] and "--steps_per_generation" not in grpo[0], grpo
+    assert " --beta 0.04 " in grpo[0], grpo  # the KL anchor chosen on dev, GATE_BETA's default
     assert grpo[1].replace(" --steps_per_generation 4", "").replace("_spg4", "") == grpo[0], grpo
