@@ -1,7 +1,8 @@
 """Whether greedy decoding writes the same replies twice, decoder by decoder.
 
     python bench/decode_determinism.py --model .cache/models/qwen2.5-coder-1.5b-instruct --adapter runs/SFT/adapter \
-        --pairs_run runs/Pairs_debate --out runs/determinism          # one GPU
+        --pairs_run runs/Pairs_debate --out runs/determinism          # one GPU; again with --out runs/determinism2
+                                                                       # --compare_with runs/determinism
     python bench/decode_determinism.py --tiny --out /tmp/determinism  # CPU smoke run on the tiny model
 
 On one H100, two 05 runs of the same SFT adapter on the same 40 test premises wrote the same greedy reply
@@ -12,8 +13,9 @@ prompts (the pairs run's test prompts, else random tokens of real prompt lengths
 --repeats times by each variant: the static decoder as 05 runs it (bf16 base copies, one CUDA graph a
 decode), without the graph, on the 4-bit base, with the decode attention held to one SDPA backend, and
 transformers' generate. Writes determinism.json: for each variant, the replies equal in every repeat, the
-median token where a repeat first differs from the first, and the replies equal to the first variant's; and
-the SDPA backend torch picks for the decode step's attention.
+median token where a repeat first differs from the first, the replies equal to the first variant's and, with
+--compare_with, to another process's (replies.json: each variant's first repeat); and the SDPA backend torch
+picks for the decode step's attention.
 """
 from __future__ import annotations
 
@@ -42,9 +44,9 @@ def load(args):
         ensure("tiny", path)
     margs = ModelArgs(model_name_or_path=str(path), lora_dropout=0.0)
     tok = load_tokenizer(margs)
+    torch.manual_seed(0)  # LoRA A's init: the same adapter in every process (--compare_with)
     model = load_model(margs, CAUSAL_LM, tokenizer=tok, adapter=args.adapter).eval()
     if not args.adapter:
-        torch.manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -136,12 +138,15 @@ def main(argv=None):
     ap.add_argument("--new_tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--repetition_penalty", type=float, default=1.2)
+    ap.add_argument("--compare_with", default=None,
+                    help="another run's --out (same arguments): each variant's replies against that process's")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load(args)
     ids = prompts(args, tok, min(len(tok), model.config.vocab_size))
-    rows, reference = [], None
+    rows, reference, first = [], None, {}
+    other = json.loads((Path(args.compare_with) / "replies.json").read_text()) if args.compare_with else {}
     with torch.no_grad():
         for name, decode in variants(model, tok, args).items():
             try:
@@ -152,7 +157,7 @@ def main(argv=None):
                 rows.append({"variant": name, "error": f"{type(err).__name__}: {err}"[:300]})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
-            reference = reference or runs[0]
+            reference, first[name] = reference or runs[0], runs[0]
             splits = [d for run in runs[1:] for a, b in zip(runs[0], run) if (d := first_difference(a, b)) is not None]
             rows.append({"variant": name, "prompts": len(ids), "repeats": args.repeats,
                          "equal_in_every_repeat": sum(all(run[r] == runs[0][r] for run in runs[1:])
@@ -160,10 +165,13 @@ def main(argv=None):
                          "median_first_difference_token": statistics.median(splits) if splits else None,
                          "equal_to_first_variant": sum(a == b for a, b in zip(runs[0], reference)),
                          "seconds": round(seconds, 1)})
+            if name in other:  # two processes: what a second run of a stage would write
+                rows[-1]["equal_to_other_process"] = sum(a == b for a, b in zip(runs[0], other[name]))
             print(json.dumps(rows[-1]), flush=True)
     result = {"meta": bench.meta(args), "rows": rows,
               "decode_attention_backend": attention_backend(model, len(ids), max(map(len, ids)) + args.new_tokens)}
     (out / "determinism.json").write_text(json.dumps(result, indent=1))
+    (out / "replies.json").write_text(json.dumps(first))
     print(f"wrote {out / 'determinism.json'}")
 
 

@@ -419,3 +419,8 @@ def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tm
         assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
     assert rows[0]["equal_to_first_variant"] == 3
     assert json.loads((tmp_path / "determinism.json").read_text())["decode_attention_backend"] in {"math", "flash"}
+    # a second process compared with the first: on the CPU, every variant writes the first process's replies
+    decode_determinism.main(["--tiny", "--out", str(tmp_path / "again"), "--prompts", "3", "--new_tokens", "6",
+                             "--repeats", "2", "--compare_with", str(tmp_path)])
+    again = json.loads((tmp_path / "again" / "determinism.json").read_text())["rows"]
+    assert [r["equal_to_other_process"] for r in again] == [3, 3, 3, 3], again
