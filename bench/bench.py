@@ -1133,6 +1133,24 @@ def _map_unknown_ids(tokenizer, word_id):
     tokenizer.batch_decode = batch_decode
 
 
+def load_lora(path: Path, adapter: str | None = None):
+    """(model, tokenizer) as the stages load them (4-bit NF4, rank-64 rsLoRA), in eval mode, LoRA A's init
+    seeded (the same adapter in every process); without `adapter`, LoRA B set to small random values, so that
+    the adapter changes the output as a trained one does."""
+    from common.config import ModelArgs
+    from common.model import CAUSAL_LM, load_model, load_tokenizer
+    margs = ModelArgs(model_name_or_path=str(path), lora_dropout=0.0)
+    tok = load_tokenizer(margs)
+    torch.manual_seed(0)
+    model = load_model(margs, CAUSAL_LM, tokenizer=tok, adapter=adapter).eval()
+    if adapter is None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.01)
+    return model, tok
+
+
 def build_random_model(path: Path, tokenizer_from: Path = TINY_MODEL) -> None:
     """A random-initialised Llama 3 8B shape (bf16 safetensors), made on the GPU, with the stand-in
     tokenizer beside it. Loaded later through load_model, 4-bit quantisation included."""

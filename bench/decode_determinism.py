@@ -35,25 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 
-def load(args):
-    from common.config import ModelArgs
-    from common.local_models import ensure
-    from common.model import CAUSAL_LM, load_model, load_tokenizer
-    path = bench.TINY_MODEL if args.tiny else Path(args.model)
-    if args.tiny:
-        ensure("tiny", path)
-    margs = ModelArgs(model_name_or_path=str(path), lora_dropout=0.0)
-    tok = load_tokenizer(margs)
-    torch.manual_seed(0)  # LoRA A's init: the same adapter in every process (--compare_with)
-    model = load_model(margs, CAUSAL_LM, tokenizer=tok, adapter=args.adapter).eval()
-    if not args.adapter:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.01)
-    return model, tok
-
-
 def prompts(args, tok, vocab: int) -> list[list[int]]:
     from common.data import fit_prompt, token_ids
     if args.pairs_run:
@@ -143,7 +124,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tok = load(args)
+    if args.tiny:
+        from common.local_models import ensure
+        ensure("tiny", bench.TINY_MODEL)
+    model, tok = bench.load_lora(bench.TINY_MODEL if args.tiny else Path(args.model), args.adapter)
     ids = prompts(args, tok, min(len(tok), model.config.vocab_size))
     rows, reference, first = [], None, {}
     other = json.loads((Path(args.compare_with) / "replies.json").read_text()) if args.compare_with else {}

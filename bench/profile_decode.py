@@ -30,22 +30,13 @@ import bench  # noqa: E402
 
 
 def load(args):
-    from common.config import ModelArgs
     from common.local_models import ensure
-    from common.model import CAUSAL_LM, load_model, load_tokenizer
     path = bench.TINY_MODEL if args.tiny else Path(args.model)
     if args.tiny:
         ensure("tiny", path)
     else:
         bench.build_random_model(path)
-    margs = ModelArgs(model_name_or_path=str(path), lora_dropout=0.0)
-    tok = load_tokenizer(margs)
-    model = load_model(margs, CAUSAL_LM, tokenizer=tok).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
+    model, tok = bench.load_lora(path)
     if torch.cuda.is_available():  # as GRPO runs it (liger_kernel: true)
         from common.fast.model_changes import apply_liger_kernels
         apply_liger_kernels(SimpleNamespace(model=model))
@@ -120,7 +111,7 @@ def main(argv=None):
     results = {"meta": bench.meta(args), "rows": []}
     if torch.cuda.is_available():
         results["attention"] = [r for L in (518, 768) for r in attention_variants(L=L)]
-    import common.generation as gen
+    import common.fast.static_decoder as gen
     from common.fast.decode_step import DecodeStep
     model, tok = load(args)
     vocab = min(len(tok), model.config.vocab_size) if args.tiny else 100_000

@@ -424,3 +424,12 @@ def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tm
                              "--repeats", "2", "--compare_with", str(tmp_path)])
     again = json.loads((tmp_path / "again" / "determinism.json").read_text())["rows"]
     assert [r["equal_to_other_process"] for r in again] == [3, 3, 3, 3], again
+
+
+def test_profile_decode_profiles_both_base_weight_modes_on_the_tiny_model(tmp_path):
+    """bench/profile_decode.py on the CPU: a row and a table for each base-weight mode of the decode step."""
+    import profile_decode
+    profile_decode.main(["--tiny", "--out", str(tmp_path), "--batch", "2", "--new_tokens", "4"])
+    rows = json.loads((tmp_path / "decode_profile.json").read_text())["rows"]
+    assert [r["weights"] for r in rows] == ["nf4", "bf16"] and all(r["batch"] == 2 for r in rows), rows
+    assert (tmp_path / "decode_nf4.txt").exists() and (tmp_path / "decode_bf16.txt").exists()
