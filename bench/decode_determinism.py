@@ -11,8 +11,8 @@ This finds the part that differs: the model is loaded once as the stages load it
 without --adapter its LoRA B gets small random values, so that the adapter counts), and one batch of
 prompts (the pairs run's test prompts, else random tokens of real prompt lengths) is decoded greedily
 --repeats times by each variant: the static decoder as 05 runs it (bf16 base copies, one CUDA graph a
-decode), without the graph, on the 4-bit base, with the decode attention held to one SDPA backend, and
-transformers' generate. Writes determinism.json: for each variant, the replies equal in every repeat, the
+decode), without the graph, on the 4-bit base, without the adapter, with the decode attention held to one SDPA
+backend or done as two plain matmuls, and transformers' generate. Writes determinism.json: for each variant, the replies equal in every repeat, the
 median token where a repeat first differs from the first, the replies equal to the first variant's and, with
 --compare_with, to another process's (replies.json: each variant's first repeat); and the SDPA backend torch
 picks for the decode step's attention.
@@ -20,12 +20,14 @@ picks for the decode step's attention.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -48,21 +50,33 @@ def prompts(args, tok, vocab: int) -> list[list[int]]:
 
 def variants(model, tok, args):
     """name -> a function that decodes the prompts once (new token ids of each)."""
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
 
     from common import fast
     from common.fast import decode_step
     eos, pad, rp = [tok.eos_token_id], tok.pad_token_id, args.repetition_penalty
 
-    def static(weights="bf16", cuda_graph=None, attention=None):
+    def grouped_attention(q, k, v, attn_mask, scale, enable_gqa=True):
+        """The decode attention as two matmuls, query head j reading K/V head j // rep (profile_decode's
+        grouped_bmm), with the softmax in fp32: no SDPA kernel at all."""
+        B, nq, _, hd = q.shape
+        scores = torch.matmul(q.view(B, k.shape[1], nq // k.shape[1], hd), k.transpose(-1, -2))
+        probs = torch.add(attn_mask, scores, alpha=scale).float().softmax(-1).to(q.dtype)
+        return torch.matmul(probs, v).view(B, nq, 1, hd)
+
+    def static(weights="bf16", cuda_graph=None, attention=None, matmul_attention=False, adapter=True):
         def run(ids):
-            kept = decode_step.DECODE_ATTENTION
-            decode_step.DECODE_ATTENTION = attention or kept
+            kept = decode_step.DECODE_ATTENTION, decode_step.F
+            decode_step.DECODE_ATTENTION = attention or kept[0]
+            if matmul_attention:
+                decode_step.F = SimpleNamespace(linear=F.linear, scaled_dot_product_attention=grouped_attention)
             try:
-                return fast.decode(model, ids, args.new_tokens, eos, pad, temperature=0.0, repetition_penalty=rp,
-                                   cuda_graph=cuda_graph, weights=weights)
+                with contextlib.nullcontext() if adapter else model.disable_adapter():
+                    return fast.decode(model, ids, args.new_tokens, eos, pad, temperature=0.0, repetition_penalty=rp,
+                                       cuda_graph=cuda_graph, weights=weights)
             finally:
-                decode_step.DECODE_ATTENTION = kept
+                decode_step.DECODE_ATTENTION, decode_step.F = kept
                 fast.release_dense_base(model)
         return run
 
@@ -78,7 +92,8 @@ def variants(model, tok, args):
         return [[t for t in row if t != pad] for row in out[:, P:].tolist()]
 
     found = {"static (as 05: bf16 copies, CUDA graph)": static(), "static, no CUDA graph": static(cuda_graph=False),
-             "static, 4-bit base": static(weights="nf4")}
+             "static, 4-bit base": static(weights="nf4"), "static, adapter off": static(adapter=False),
+             "static, attention as two matmuls": static(matmul_attention=True)}
     if torch.cuda.is_available():
         for backend in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
             found[f"static, attention {backend.lower()} only"] = static(attention=[getattr(SDPBackend, backend)])
