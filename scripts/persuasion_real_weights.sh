@@ -58,6 +58,13 @@ declare -A GRPO_RECIPES=(
 )
 # the anchored, gated recipe (its dev judge is only known after the sweep: DEV_JUDGE below)
 # GATE_BETA: its KL anchor's strength, 0.04 as chosen on dev among 0.01, 0.04 and 0.1 (docs/results.md, ninth run)
+# A number the chain would hand a stage minutes later is checked before anything trains (a comma, a typo).
+for b in ${GATE_BETA:-} ${GRPO_BETAS:-}; do
+  [[ $b =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] || { echo "error: GATE_BETA / GRPO_BETAS: '$b' is not a KL weight (a number >= 0;" \
+    "GRPO_BETAS takes them space-separated)" >&2; exit 1; }; done
+for k in $CHECKPOINT_EVAL_STEPS ${GRPO_SPG:-}; do
+  [[ $k =~ ^[1-9][0-9]*$ ]] || { echo "error: CHECKPOINT_EVAL_STEPS / GRPO_SPG: '$k' is not a whole number of steps" \
+    "(> 0; GRPO_SPG takes them space-separated)" >&2; exit 1; }; done
 gate="--learning_rate 1e-4 --reward_funcs par fluency --reward_weights 1 1 --fluency_mode gate \
   --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="$gate --beta ${GATE_BETA:-0.04}"

@@ -276,6 +276,22 @@ def test_the_recipe_chosen_on_dev_needs_recipes_scored_alike():
     assert best_on_dev({"c": {"on_dev": None}}) is None
 
 
+@pytest.mark.parametrize("env, named", [({"GRPO_BETAS": "0.01,0.1"}, "'0.01,0.1' is not a KL weight"),
+                                        ({"GATE_BETA": "-0.04"}, "'-0.04' is not a KL weight"),
+                                        ({"CHECKPOINT_EVAL_STEPS": "0"}, "'0' is not a whole number of steps"),
+                                        ({"GRPO_SPG": "4 x"}, "'x' is not a whole number of steps")])
+def test_a_practice_knob_that_is_not_a_number_stops_the_chain_before_anything_trains(tmp_path, env, named):
+    code, out = _chain(tmp_path, FLUENCY_MODEL="lm", CALLS=str(tmp_path / "calls"), **env)
+    assert code == 1 and named in out, out[-2000:]
+    assert not (tmp_path / "calls").exists()  # no stage ran
+
+
+def test_kl_weights_are_taken_as_python_reads_a_float(tmp_path):
+    code, out = _chain(tmp_path, FLUENCY_MODEL="lm", GATE_BETA="4e-2", GRPO_BETAS="0 .01 1.", GRPO_ONLY="par_fluency_gate",
+                       CALLS=str(tmp_path / "calls"))
+    assert code == 0 and " --beta 4e-2 " in (tmp_path / "calls").read_text(), out[-2000:]
+
+
 def test_a_grpo_recipe_that_is_not_one_stops_the_chain_before_anything_trains(tmp_path):
     code, out = _chain(tmp_path, GRPO_ONLY="lr1e-4 par_fluency_gate_beta0.05", CALLS=str(tmp_path / "calls"))
     assert code == 1 and "error: GRPO_ONLY names par_fluency_gate_beta0.05, not a GRPO recipe here" in out, out[-2000:]
