@@ -89,7 +89,8 @@ def variants(model, tok, args):
         device = next(model.parameters()).device
         out = model.generate(input_ids=batch.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=args.new_tokens, repetition_penalty=rp, pad_token_id=pad, eos_token_id=eos)
-        return [[t for t in row if t != pad] for row in out[:, P:].tolist()]
+        # cut as the static decoder cuts: through the first end token (what follows is generate's padding)
+        return [row[:next((j + 1 for j, t in enumerate(row) if t in eos), len(row))] for row in out[:, P:].tolist()]
 
     found = {"static (as 05: bf16 copies, CUDA graph)": static(), "static, no CUDA graph": static(cuda_graph=False),
              "static, 4-bit base": static(weights="nf4"), "static, adapter off": static(adapter=False),

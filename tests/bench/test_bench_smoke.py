@@ -418,7 +418,11 @@ def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tm
                                             "static, attention as two matmuls", "transformers generate"]
     for row in rows:
         assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
-    assert rows[0]["equal_to_first_variant"] == 3
+    by_name = {r["variant"]: r["equal_to_first_variant"] for r in rows}
+    assert rows[0]["equal_to_first_variant"] == 3 and by_name["static, adapter off"] < 3  # the random LoRA B counts
+    # on the CPU the plain attention and transformers' generate (cut at the end token as the static decoder cuts)
+    # write the static decoder's replies: a variant that differs on a GPU differs in its arithmetic, not its meaning
+    assert by_name["static, attention as two matmuls"] == 3 and by_name["transformers generate"] == 3, by_name
     assert json.loads((tmp_path / "determinism.json").read_text())["decode_attention_backend"] in {"math", "flash"}
     # a second process compared with the first: on the CPU, every variant writes the first process's replies
     decode_determinism.main(["--tiny", "--out", str(tmp_path / "again"), "--prompts", "3", "--new_tokens", "6",
