@@ -19,8 +19,8 @@
 # as PAR, replies below SFT's fluency gated to 0, a KL anchor to SFT (GATE_BETA, default 0.04), a checkpoint every
 # CHECKPOINT_EVAL_STEPS (default 4) steps chosen on dev by the best
 # judges of the other families and the fluency check. DECODING: the decoding's arguments, chosen on dev
-# earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; CROSSFIT=0 the cross-fit. SFT_RUN: a
-# finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
+# earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; PREFERENCE=0 DPO and ORPO; CROSSFIT=0 the
+# cross-fit. SFT_RUN: a finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
 # on from a chain that stopped: every finished stage is taken as it is. MAX_JOBS: stages at once.
 # HARD_NEGATIVES=1: the training judge's second round on the practised policy's replies (step 3b).
 # FRAMINGS: a file of prompt framings (system prompts) to choose among on dev before anything trains (step 0).
@@ -182,8 +182,11 @@ done
 # shellcheck disable=SC2086
 [[ ${FROM_BASE:-1} == 1 ]] && background grpo_from_base 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" \
   --pairs_run "$pairs" --reward_run "$judge" --learning_rate 1e-4 $GRPO_ARGS --run_name GRPO_from_base_lr1e-4
-background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --run_name DPO
-background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo --run_name ORPO
+# PREFERENCE=0 skips DPO and ORPO (a chain that measures GRPO or a judge's second round alone)
+if [[ ${PREFERENCE:-1} == 1 ]]; then
+  background dpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --run_name DPO
+  background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo --run_name ORPO
+fi
 # RAFT, the cheap alternative (common/raft.py): SFT's best of BEST_OF_N samples on MAX_PREMISES train premises,
 # picked by the training judge among those that pass the fluency gate, then SFT on the picks. RAFT=0 skips it.
 fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")

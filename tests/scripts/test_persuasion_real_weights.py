@@ -313,3 +313,14 @@ def test_a_grpo_recipe_that_is_not_one_stops_the_chain_before_anything_trains(tm
     assert len(grpo) == 2 and "--steps_per_generation 4" in grpo[1] and "--steps_per_generation" not in grpo[0], grpo
     assert " --beta 0.04 " in grpo[0], grpo  # the KL anchor chosen on dev, GATE_BETA's default
     assert grpo[1].replace(" --steps_per_generation 4", "").replace("_spg4", "") == grpo[0], grpo
+
+
+def test_preference_0_skips_dpo_and_orpo_and_the_eval_compares_the_rest(tmp_path):
+    code, out = _chain(tmp_path, PREFERENCE="0", CALLS=str(tmp_path / "calls"))
+    assert code == 0, out[-3000:]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert not any(line.startswith("04_train_dpo.py") for line in calls), calls
+    evaluated = next(line for line in calls if line.startswith("05_eval.py") and "--policy_runs" in line
+                     and "--split train" not in line)
+    policies = [Path(run).name for run in evaluated.split("--policy_runs")[1].split("--best_of_n")[0].split()]
+    assert "RAFT" in policies and not {"DPO", "ORPO"} & set(policies), policies
