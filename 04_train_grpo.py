@@ -63,8 +63,8 @@ def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, t
     run.manifest["patches"] = fast.apply(trainer, config, judges=reward_terms.learned_judges(reward_funcs))
     # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
     # does not know: recorded either way.
-    decoder = {"decoder": "static", "decoder_weights": fast.weights_backend(policy, config.rollout_weights)} \
-        if rollout else {"decoder": "trl_generate"}
+    decoder = {"decoder": "static", "decoder_weights": fast.weights_backend(policy, config.rollout_weights),
+               "decoder_attention": "sdpa"} if rollout else {"decoder": "trl_generate"}
     run.manifest["backends"] = fast.backends(config, run.manifest["patches"], **decoder,
                                              judge_scoring=judge_scoring(reward_funcs))
     return trainer

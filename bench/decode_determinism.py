@@ -7,12 +7,13 @@
 
 On one H100, two 05 runs of the same SFT adapter on the same 40 test premises wrote the same greedy reply
 for 4 of 40 with the static decoder and for 40 of 40 with `fast_paths: false` (docs/results.md, ninth run).
-This finds the part that differs: the model is loaded once as the stages load it (4-bit NF4, rank-64 rsLoRA;
+This found the part that differed, SDPA's cuDNN kernel in the decode step's attention, since replaced there by
+two grouped matmuls (docs/performance.md): the model is loaded once as the stages load it (4-bit NF4, rank-64 rsLoRA;
 without --adapter its LoRA B gets small random values, so that the adapter counts), and one batch of
 prompts (the pairs run's test prompts, else random tokens of real prompt lengths) is decoded greedily
 --repeats times by each variant: the static decoder as 05 runs it (bf16 base copies, one CUDA graph a
-decode), without the graph, on the 4-bit base, without the adapter, with the decode attention held to one SDPA
-backend or done as two plain matmuls, and transformers' generate. Writes determinism.json: for each variant, the replies equal in every repeat, the
+decode), without the graph, on the 4-bit base, without the adapter, with SDPA's attention as GRPO's rollouts
+run it (all backends, or one), and transformers' generate (`--variants` picks some). Writes determinism.json: for each variant, the replies equal in every repeat, the
 median token where a repeat first differs from the first, the replies equal to the first variant's and, with
 --compare_with, to another process's (replies.json: each variant's first repeat); and the SDPA backend torch
 picks for the decode step's attention.
@@ -27,7 +28,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -50,33 +50,22 @@ def prompts(args, tok, vocab: int) -> list[list[int]]:
 
 def variants(model, tok, args):
     """name -> a function that decodes the prompts once (new token ids of each)."""
-    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
 
     from common import fast
     from common.fast import decode_step
     eos, pad, rp = [tok.eos_token_id], tok.pad_token_id, args.repetition_penalty
 
-    def grouped_attention(q, k, v, attn_mask, scale, enable_gqa=True):
-        """The decode attention as two matmuls, query head j reading K/V head j // rep (profile_decode's
-        grouped_bmm), with the softmax in fp32: no SDPA kernel at all."""
-        B, nq, _, hd = q.shape
-        scores = torch.matmul(q.view(B, k.shape[1], nq // k.shape[1], hd), k.transpose(-1, -2))
-        probs = torch.add(attn_mask, scores, alpha=scale).float().softmax(-1).to(q.dtype)
-        return torch.matmul(probs, v).view(B, nq, 1, hd)
-
-    def static(weights="bf16", cuda_graph=None, attention=None, matmul_attention=False, adapter=True):
+    def static(weights="bf16", cuda_graph=None, attention=None, reproducible=True, adapter=True):
         def run(ids):
-            kept = decode_step.DECODE_ATTENTION, decode_step.F
-            decode_step.DECODE_ATTENTION = attention or kept[0]
-            if matmul_attention:
-                decode_step.F = SimpleNamespace(linear=F.linear, scaled_dot_product_attention=grouped_attention)
+            kept = decode_step.DECODE_ATTENTION
+            decode_step.DECODE_ATTENTION = attention or kept
             try:
                 with contextlib.nullcontext() if adapter else model.disable_adapter():
                     return fast.decode(model, ids, args.new_tokens, eos, pad, temperature=0.0, repetition_penalty=rp,
-                                       cuda_graph=cuda_graph, weights=weights)
+                                       cuda_graph=cuda_graph, weights=weights, reproducible=reproducible)
             finally:
-                decode_step.DECODE_ATTENTION, decode_step.F = kept
+                decode_step.DECODE_ATTENTION = kept
                 fast.release_dense_base(model)
         return run
 
@@ -92,14 +81,16 @@ def variants(model, tok, args):
         # cut as the static decoder cuts: through the first end token (what follows is generate's padding)
         return [row[:next((j + 1 for j, t in enumerate(row) if t in eos), len(row))] for row in out[:, P:].tolist()]
 
-    found = {"static (as 05: bf16 copies, CUDA graph)": static(), "static, no CUDA graph": static(cuda_graph=False),
-             "static, 4-bit base": static(weights="nf4"), "static, adapter off": static(adapter=False),
-             "static, attention as two matmuls": static(matmul_attention=True)}
+    found = {"static (as 05: grouped-matmul attention, bf16 copies, CUDA graph)": static(),
+             "static, no CUDA graph": static(cuda_graph=False), "static, 4-bit base": static(weights="nf4"),
+             "static, adapter off": static(adapter=False),
+             "static, SDPA attention (as GRPO's rollouts)": static(reproducible=False)}
     if torch.cuda.is_available():
         for backend in ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
-            found[f"static, attention {backend.lower()} only"] = static(attention=[getattr(SDPBackend, backend)])
+            found[f"static, SDPA attention, {backend.lower()} only"] = static(
+                attention=[getattr(SDPBackend, backend)], reproducible=False)
     found["transformers generate"] = hf_generate
-    return found
+    return {name: run for name, run in found.items() if not args.variants or any(v in name for v in args.variants)}
 
 
 def attention_backend(model, batch: int, length: int) -> str:
@@ -135,6 +126,7 @@ def main(argv=None):
     ap.add_argument("--new_tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--repetition_penalty", type=float, default=1.2)
+    ap.add_argument("--variants", nargs="*", default=None, help="only the variants whose names hold one of these")
     ap.add_argument("--compare_with", default=None,
                     help="another run's --out (same arguments): each variant's replies against that process's")
     args = ap.parse_args(argv)

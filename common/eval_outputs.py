@@ -101,8 +101,4 @@ def describe_decoding(config, manifest: dict) -> str:
     said = ", ".join(parts)
     if config.replies_from:
         return f"read back from {Path(config.replies_from).name} (nothing generated here), written {said}"
-    if config.temperature == 0 and manifest.get("gpu") and manifest.get("backends", {}).get("decoder") == "static":
-        said += (" (by the static decoder, whose greedy replies on a GPU differ between two runs of one model: a win "
-                 "rate near 0.5 between two models may be that spread, docs/results.md, ninth run; `--fast_paths "
-                 "false` decodes reproducibly)")
     return said

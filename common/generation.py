@@ -27,9 +27,8 @@ def generate_replies(model, tokenizer, prompts: list[list[dict]], max_new_tokens
 def replies_and_cuts(model, tokenizer, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
                      repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0, temperature: float = 0.0,
                      weights: str = "nf4", seed: int | None = None, static: bool = True) -> tuple[list[str], list[bool]]:
-    """Replies of a frozen model: greedy at temperature 0, else sampled from `seed` (on a GPU the static
-    decoder's greedy replies differ between runs, transformers' generate's do not: docs/results.md, ninth run);
-    left-padded batches, special tokens stripped; and for each, whether `max_new_tokens` stopped it before
+    """Replies of a frozen model: greedy at temperature 0, else sampled from `seed` (either decoder writes the
+    same replies on every run, on a GPU too: docs/performance.md); left-padded batches, special tokens stripped; and for each, whether `max_new_tokens` stopped it before
     the model wrote an end token (the decoder's own tokens say so: a text rule such as "ends without a full
     stop" would miss a reply cut after a sentence, or a review's closing "Rating: 6"). `weights` "bf16": the
     static decoder reads bf16 copies of the 4-bit base, made once and freed at the end, instead of
@@ -83,10 +82,11 @@ def decoder_for(model, static: bool = True) -> str:
 
 
 def decoder_backends(model, static: bool, weights: str) -> dict:
-    """For the manifest: the decoder that runs, and how the static one reads the base weights."""
+    """For the manifest: the decoder that runs, and how the static one reads the base weights and attends
+    (two grouped matmuls: reproducible on a GPU, where SDPA's cuDNN kernel is not)."""
     decoder = decoder_for(model, static)
-    return {"decoder": decoder,
-            **({"decoder_weights": fast.weights_backend(model, weights)} if decoder == "static" else {})}
+    return {"decoder": decoder, **({"decoder_weights": fast.weights_backend(model, weights),
+                                    "decoder_attention": "grouped_matmuls"} if decoder == "static" else {})}
 
 
 @contextlib.contextmanager

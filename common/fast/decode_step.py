@@ -5,8 +5,9 @@ A decode step (one new token for each of B sequences) through the model's module
 and HF's attention a dozen more. Here each decoder layer runs its linear layers that read one input
 (q/k/v, then gate/up) as one matmul over their stacked base weights, one matmul over their stacked
 LoRA A and one addmm that adds every LoRA B product with its scaling (a block-diagonal B). The
-residual adds ride in the o and down matmuls, q and k are rotated together, and the attention is
-SDPA's over the cache with an additive mask kept across layers: about 24 kernels a layer. On an
+residual adds ride in the o and down matmuls, q and k are rotated together, and the attention runs over
+the cache with an additive mask kept across layers (two grouped matmuls, reproducible on a GPU; SDPA's for
+GRPO's sampled rollouts, faster there): about 24 kernels a layer. On an
 H200 the step is then bound by what its kernels do (dequantising, the matmuls, attention), not by
 launching them (docs/performance.md).
 
@@ -35,9 +36,22 @@ from common.fast.nf4_matmul import runs_on as nf4_matmul_runs_on
 
 # The decode attention (one query a sequence, GQA, a padding mask) by SDPA with every backend allowed,
 # whatever training turned off (cuDNN: `cudnn_attention`): faster than two grouped matmuls or
-# cuDNN alone (timed by bench/profile_decode.py; docs/performance.md).
+# cuDNN alone (timed by bench/profile_decode.py; docs/performance.md). On a GPU torch picks cuDNN's kernel, whose
+# result differs between calls on the same inputs (bench/decode_determinism.py): `reproducible` steps use
+# `grouped_attention` instead.
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                     SDPBackend.MATH]
+
+
+def grouped_attention(q, keys, values, bias, scale: float):
+    """The decode attention as two matmuls: queries (B, nq, hd) against the cache (B, nkv, L, hd), query head
+    j reading K/V head j // (nq // nkv), the softmax in fp32, `bias` (B, 1, 1, L) added. No SDPA kernel, so
+    a GPU gives the same output every call (cuBLAS's matmuls of fixed shapes are deterministic)."""
+    B, nq, hd = q.shape
+    nkv = keys.shape[1]
+    scores = torch.matmul(q.view(B, nkv, nq // nkv, hd), keys.transpose(-1, -2))  # (B, nkv, nq / nkv, L)
+    probs = scores.float().mul_(scale).add_(bias).softmax(-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(B, nq * hd)
 
 
 def _lora_parts(module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -165,8 +179,9 @@ class _Group:
 class DecodeStep:
     """The fused decode step of one decode call: `logits = step(tok, pos, keys, values, slot, bias)`."""
 
-    def __init__(self, model, weights: str = "nf4"):
+    def __init__(self, model, weights: str = "nf4", reproducible: bool = True):
         from common.model import unwrap_peft
+        self.reproducible = reproducible  # grouped_attention, else SDPA's (faster on a GPU, not reproducible)
         self.lm = lm = unwrap_peft(model)
         core = lm.model
         dtype = core.embed_tokens.weight.dtype
@@ -206,8 +221,11 @@ class DecodeStep:
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             keys[i].index_copy_(2, slot, qk[:, nq:, None])  # (B, nkv, 1, hd) into (B, nkv, L, hd)
             values[i].index_copy_(2, slot, y[:, (nq + nkv) * hd:].view(B, nkv, 1, hd))
-            attn = F.scaled_dot_product_attention(qk[:, :nq, None], keys[i], values[i], attn_mask=bias,
-                                                  scale=self.scaling, enable_gqa=True).reshape(B, nq * hd)
+            if self.reproducible:
+                attn = grouped_attention(qk[:, :nq], keys[i], values[i], bias, self.scaling)
+            else:
+                attn = F.scaled_dot_product_attention(qk[:, :nq, None], keys[i], values[i], attn_mask=bias,
+                                                      scale=self.scaling, enable_gqa=True).reshape(B, nq * hd)
             h = o_proj(attn, residual=h)
             y = gate_up(layer.post_attention_layernorm(h))
             gate, up = y[:, :y.shape[1] // 2], y[:, y.shape[1] // 2:]

@@ -81,12 +81,14 @@ def _prefill(lm, ids, positions, mask, store):
 @torch.no_grad()
 def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int], pad_id: int,
            temperature: float = 1.0, repetition_penalty: float = 1.0, cuda_graph: bool | None = None,
-           prefill_tokens: int = 8192, weights: str = "nf4", no_repeat_ngram_size: int = 0) -> list[list[int]]:
+           prefill_tokens: int = 8192, weights: str = "nf4", no_repeat_ngram_size: int = 0,
+           reproducible: bool = True) -> list[list[int]]:
     """New tokens for each prompt (sampled at `temperature`, greedy at 0), cut after the first end
     token. The model must be in eval mode (no LoRA dropout). The prompts run through the model's own
     modules; each later step is `DecodeStep`'s fused one (`weights`: its base weights, "nf4" or
     "bf16"). On CUDA that step is captured once as a graph and replayed; `cuda_graph=False` runs it
-    eagerly."""
+    eagerly. `reproducible` (`DecodeStep`): the same tokens on every run of a GPU, at some cost in speed; GRPO's
+    sampled rollouts take SDPA's faster attention instead."""
     lm = unwrap_peft(model)
     core = lm.model
     device = core.embed_tokens.weight.device
@@ -130,7 +132,7 @@ def decode(model, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[in
         logits[to] = _prefill(lm, ids[run], positions[run], mask[run, None], store)[src]
 
     # Decode state, all in fixed tensors so that one captured step can be replayed.
-    fused_step = DecodeStep(model, weights)
+    fused_step = DecodeStep(model, weights, reproducible)
     bias = torch.full((B, 1, 1, L), float("-inf"), dtype=dtype, device=device)  # 0 where a slot may be attended
     bias[:, 0, 0, :P].masked_fill_(key_ok, 0.0)
     seen = prompt_tokens_seen(ids, key_ok, logits.shape[1]) if repetition_penalty != 1.0 else None
@@ -234,7 +236,8 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, 
     """A TRL `rollout_func` for GRPOTrainer: sampled completions from `decode` for the trainer's policy
     (the 4-bit base with its live LoRA adapter, in eval mode while sampling), `batch_size` sequences at
     a time. Its prompts are tokenised exactly as TRL does. weights "bf16": each decode step reads bf16
-    copies of the base weights instead of dequantising the 4-bit ones (`DecodeStep`)."""
+    copies of the base weights instead of dequantising the 4-bit ones (`DecodeStep`). Samples need not
+    repeat across runs: the step's attention is SDPA's, faster than the reproducible one."""
     def rollout(prompts, trainer):
         tokenizer = trainer.processing_class
         if hasattr(trainer, "_tokenize_prompts"):  # private: common/trl_compat.py
@@ -249,7 +252,8 @@ def grpo_rollout(max_new_tokens: int, temperature: float, batch_size: int = 64, 
         completions = []
         for start in range(0, len(prompt_ids), batch_size):
             completions += decode(model, prompt_ids[start:start + batch_size], max_new_tokens, eos,
-                                  tokenizer.pad_token_id, temperature=temperature, weights=weights)
+                                  tokenizer.pad_token_id, temperature=temperature, weights=weights,
+                                  reproducible=False)
         model.train(was_training)
         return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completions, "logprobs": None}
     return rollout

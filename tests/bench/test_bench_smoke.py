@@ -413,22 +413,27 @@ def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tm
     import decode_determinism
     decode_determinism.main(["--tiny", "--out", str(tmp_path), "--prompts", "3", "--new_tokens", "6", "--repeats", "3"])
     rows = json.loads((tmp_path / "determinism.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["static (as 05: bf16 copies, CUDA graph)", "static, no CUDA graph",
-                                            "static, 4-bit base", "static, adapter off",
-                                            "static, attention as two matmuls", "transformers generate"]
+    assert [r["variant"] for r in rows] == ["static (as 05: grouped-matmul attention, bf16 copies, CUDA graph)",
+                                            "static, no CUDA graph", "static, 4-bit base", "static, adapter off",
+                                            "static, SDPA attention (as GRPO's rollouts)", "transformers generate"]
     for row in rows:
         assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
     by_name = {r["variant"]: r["equal_to_first_variant"] for r in rows}
     assert rows[0]["equal_to_first_variant"] == 3 and by_name["static, adapter off"] < 3  # the random LoRA B counts
-    # on the CPU the plain attention and transformers' generate (cut at the end token as the static decoder cuts)
+    # on the CPU SDPA's attention and transformers' generate (cut at the end token as the static decoder cuts)
     # write the static decoder's replies: a variant that differs on a GPU differs in its arithmetic, not its meaning
-    assert by_name["static, attention as two matmuls"] == 3 and by_name["transformers generate"] == 3, by_name
+    assert by_name["static, SDPA attention (as GRPO's rollouts)"] == 3 and by_name["transformers generate"] == 3, by_name
     assert json.loads((tmp_path / "determinism.json").read_text())["decode_attention_backend"] in {"math", "flash"}
     # a second process compared with the first: on the CPU, every variant writes the first process's replies
     decode_determinism.main(["--tiny", "--out", str(tmp_path / "again"), "--prompts", "3", "--new_tokens", "6",
                              "--repeats", "2", "--compare_with", str(tmp_path)])
     again = json.loads((tmp_path / "again" / "determinism.json").read_text())["rows"]
     assert [r["equal_to_other_process"] for r in again] == [3] * 6, again
+    # --variants: only those named
+    decode_determinism.main(["--tiny", "--out", str(tmp_path / "some"), "--prompts", "2", "--new_tokens", "4",
+                             "--repeats", "2", "--variants", "SDPA", "generate"])
+    some = json.loads((tmp_path / "some" / "determinism.json").read_text())["rows"]
+    assert [r["variant"] for r in some] == ["static, SDPA attention (as GRPO's rollouts)", "transformers generate"]
 
 
 def test_profile_decode_profiles_both_base_weight_modes_on_the_tiny_model(tmp_path):

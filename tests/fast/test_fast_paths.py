@@ -94,7 +94,8 @@ def test_manifests_name_the_backends(runs):
     assert (grpo["decoder"], grpo["judge_scoring"], grpo["patches"]) == ("trl_generate", "padded", [])
     grpo = _backends(runs["grpo_true"])
     dequantizer = nf4_dequantizer("cuda" if torch.cuda.is_available() else "cpu")  # Triton's on a GPU
-    assert (grpo["decoder"], grpo["decoder_weights"], grpo["judge_scoring"]) == ("static", f"nf4_{dequantizer}", "packed")
+    assert (grpo["decoder"], grpo["decoder_weights"], grpo["decoder_attention"], grpo["judge_scoring"]) == \
+        ("static", f"nf4_{dequantizer}", "sdpa", "packed")  # sampled rollouts: SDPA's faster attention
     assert "group_in_one_sequence" in grpo["patches"] and grpo["decoder_fallbacks"] == []  # no graph on the CPU
     evaluation = _backends(runs["eval_false"])
     assert evaluation["decoder"] == "hf_generate" and set(evaluation["judge_scoring"].values()) == {"padded"}
