@@ -57,14 +57,16 @@ def test_grouped_attention_equals_sdpa_with_gqa_and_a_padding_mask(nq, nkv):
 
 
 @pytest.mark.gpu
-def test_greedy_static_decoding_repeats_itself_on_a_gpu(tiny_model):
-    """cuDNN's SDPA kernel, which torch picks for the decode step's attention, gave other greedy replies on each
-    call (bench/decode_determinism.py); the reproducible step must not."""
+def test_greedy_static_decoding_repeats_itself_on_a_gpu(smol_model):
+    """cuDNN's SDPA kernel, which torch picks for the decode step's attention on a GPU, gave SmolLM2 other greedy
+    replies on each call (30 of 32 differed between repeats in 4-bit without an adapter, bench/decode_determinism.py);
+    the reproducible step must not. (The tiny
+    model's head size of 16 repeats itself either way.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).cuda().eval()
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(smol_model, dtype=torch.bfloat16).cuda().eval()
+    tok = AutoTokenizer.from_pretrained(smol_model)
     ids = [token_ids(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)) for p in PROMPTS * 8]
-    runs = [decode(model, ids, 48, eos_ids(model, tok), tok.pad_token_id, temperature=0.0) for _ in range(3)]
+    runs = [decode(model, ids, 128, eos_ids(model, tok), tok.pad_token_id, temperature=0.0) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
 
 

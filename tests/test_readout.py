@@ -178,7 +178,8 @@ def test_the_real_weights_script_runs_every_stage_on_the_cpu(tiny_model, tmp_pat
                         "--repetition_penalty 1.0 --no_repeat_ngram_size 3 --temperature 0",
            "EVAL_FLAGS": "--max_premises 4",  # the blend's four weights need four dev papers
            "PY": sys.executable,  # scripts/demo_lib.sh's default is .venv's
-           "RATING_CONFIGS": f"{TINY}/03_train_rating.yaml", "RERANK_N": "2"}
+           "RATING_CONFIGS": f"{TINY}/03_train_rating.yaml", "RERANK_N": "2",
+           "MAX_JOBS": "4"}  # on a GPU the default comes from its free memory: fewer at once beside other work
     proc = subprocess.run(["bash", "scripts/review_real_weights.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # the rating model started before SFT ended: it needs only the pairs run

@@ -408,30 +408,34 @@ def test_the_steps_per_generation_rows_run_on_the_tiny_model(tmp_path):
 
 def test_decode_determinism_decodes_each_variant_repeatedly_on_the_tiny_model(tmp_path):
     """bench/decode_determinism.py, the GPU's check of greedy reproducibility: a row for each decoder variant;
-    on the CPU every variant writes the same replies in every repeat, so a decoder whose state leaked from one
-    decode into the next would show here."""
+    every variant but SDPA's attention writes the same replies in every repeat on any device (on the CPU SDPA's
+    too), so a decoder whose state leaked from one decode into the next would show here."""
     import decode_determinism
     decode_determinism.main(["--tiny", "--out", str(tmp_path), "--prompts", "3", "--new_tokens", "6", "--repeats", "3"])
-    rows = json.loads((tmp_path / "determinism.json").read_text())["rows"]
+    found = json.loads((tmp_path / "determinism.json").read_text())
+    rows = [r for r in found["rows"] if " only" not in r["variant"]]  # a GPU adds a row for each SDPA backend
     assert [r["variant"] for r in rows] == ["static (as 05: grouped-matmul attention, bf16 copies, CUDA graph)",
                                             "static, no CUDA graph", "static, 4-bit base", "static, adapter off",
                                             "static, SDPA attention (as GRPO's rollouts)", "transformers generate"]
+    gpu = torch.cuda.is_available()
     for row in rows:
-        assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
+        if "SDPA" not in row["variant"] or not gpu:
+            assert row["equal_in_every_repeat"] == 3 and row["median_first_difference_token"] is None, row
     by_name = {r["variant"]: r["equal_to_first_variant"] for r in rows}
     assert rows[0]["equal_to_first_variant"] == 3 and by_name["static, adapter off"] < 3  # the random LoRA B counts
-    # on the CPU SDPA's attention and transformers' generate (cut at the end token as the static decoder cuts)
-    # write the static decoder's replies: a variant that differs on a GPU differs in its arithmetic, not its meaning
-    assert by_name["static, SDPA attention (as GRPO's rollouts)"] == 3 and by_name["transformers generate"] == 3, by_name
-    assert json.loads((tmp_path / "determinism.json").read_text())["decode_attention_backend"] in {"math", "flash"}
-    # a second process compared with the first: on the CPU, every variant writes the first process's replies
+    if not gpu:  # on the CPU SDPA's attention and transformers' generate (cut at the end token as the static
+        # decoder cuts) write the static decoder's replies: a variant that differs on a GPU differs in its
+        # arithmetic, not its meaning
+        assert by_name["static, SDPA attention (as GRPO's rollouts)"] == 3 and by_name["transformers generate"] == 3
+        assert found["decode_attention_backend"] in {"math", "flash"}
+    # a second process compared with the first: the reproducible variants write the first process's replies
     decode_determinism.main(["--tiny", "--out", str(tmp_path / "again"), "--prompts", "3", "--new_tokens", "6",
                              "--repeats", "2", "--compare_with", str(tmp_path)])
     again = json.loads((tmp_path / "again" / "determinism.json").read_text())["rows"]
-    assert [r["equal_to_other_process"] for r in again] == [3] * 6, again
+    assert all(r["equal_to_other_process"] == 3 for r in again if not gpu or "SDPA" not in r["variant"]), again
     # --variants: only those named
     decode_determinism.main(["--tiny", "--out", str(tmp_path / "some"), "--prompts", "2", "--new_tokens", "4",
-                             "--repeats", "2", "--variants", "SDPA", "generate"])
+                             "--repeats", "2", "--variants", "(as GRPO", "generate"])
     some = json.loads((tmp_path / "some" / "determinism.json").read_text())["rows"]
     assert [r["variant"] for r in some] == ["static, SDPA attention (as GRPO's rollouts)", "transformers generate"]
 
