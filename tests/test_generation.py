@@ -60,8 +60,7 @@ def test_grouped_attention_equals_sdpa_with_gqa_and_a_padding_mask(nq, nkv):
 def test_greedy_static_decoding_repeats_itself_on_a_gpu(smol_model):
     """cuDNN's SDPA kernel, which torch picks for the decode step's attention on a GPU, gave SmolLM2 other greedy
     replies on each call (30 of 32 differed between repeats in 4-bit without an adapter, bench/decode_determinism.py);
-    the reproducible step must not. (The tiny
-    model's head size of 16 repeats itself either way.)"""
+    the reproducible step must not. (The tiny model's head size of 16 repeats itself either way.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(smol_model, dtype=torch.bfloat16).cuda().eval()
     tok = AutoTokenizer.from_pretrained(smol_model)
