@@ -79,12 +79,11 @@ def saved_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")) if folder.is_dir() else []
 
 
-def family(scorer) -> str | None:
-    """A scorer's backbone family: its model's config.json model_type (None for a plain function)."""
-    from common.model import unwrap_peft
-    model = getattr(scorer, "model", None)
-    config = getattr(unwrap_peft(model), "config", None) if model is not None else None
-    return getattr(config, "model_type", None)
+def family(spec: str | None) -> str | None:
+    """The family of the judge a scorer spec names, as the verdict reads it ("features" for the feature judge, a
+    backbone's model_type, an ensemble's members' joined by '+'); None for a function."""
+    from common.verdict import scorer_families
+    return "+".join(sorted(scorer_families(spec))) or None
 
 
 def load_step(policy, run_dir: Path, step: int) -> None:
@@ -128,8 +127,8 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
     chosen = choose(curve, config.fluency_tolerance)
     load_step(policy, run.dir, chosen)
     policy.train()
-    trained = family(training_judge)
-    families = [family(j) for j in judges]
+    trained = family(config.reward_run)
+    families = [trained if spec == "judge" else family(spec) for spec in config.dev_judges]
     warning = (f"every dev judge is of the training judge's family ({trained}): they may share its blind spots"
                if trained and all(f == trained for f in families) else None)
     if warning:

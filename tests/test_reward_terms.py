@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from common.checkpoint_choice import choose, win_rate
+from common.checkpoint_choice import choose, family, win_rate
 from common.config import ConfigError, GRPOStageConfig
 from common.reward_terms import FluencyGate, ParScorer, Term, gate_value, par
 from common.scorers import FunctionScorer
@@ -175,6 +175,21 @@ def test_the_checkpoint_choice_follows_the_dev_judges_among_fluent_steps():
     assert math.isnan(win_rate([math.nan], [1.0]))
 
 
+def test_the_checkpoint_choice_names_each_judge_s_family_as_the_verdict_does(tmp_path):
+    """A feature judge has no neural model to read a model_type from: its family is "features", as in 05's
+    verdict; a function has none."""
+    from conftest import REPO
+
+    from common.config import RewardStageConfig
+    run = tmp_path / "Judge_features"
+    run.mkdir()
+    (run / "manifest.json").write_text(json.dumps({"stage": RewardStageConfig.STAGE}))
+    recipe = (REPO / "configs/tiny/03_train_reward_features.yaml").read_text()
+    (run / "config.yaml").write_text(recipe.replace("pairs_run: null", "pairs_run: runs/Pairs"))
+    assert family(str(run)) == family(f"run:{run}") == "features"
+    assert family("tests.test_reward_terms:shorter") is None and family(None) is None
+
+
 @pytest.mark.stage
 def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
     from safetensors.torch import load_file
@@ -184,6 +199,7 @@ def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
     assert choice["curve"][0]["win_rates_vs_start"] == {"judge": 0.5, "shorter": 0.5}  # the start against itself
     assert choice["chosen_step"] == choose(choice["curve"], choice["fluency_tolerance"])
     assert choice["dev_judge_families"] == ["llama", None] and choice["warning"] is None
+    assert choice["training_judge_family"] == "llama"
     for c in choice["curve"]:
         assert set(c["judges"]) == set(c["win_rates_vs_start"]) == {"judge", "shorter"} and c["fluency"] < 0
         assert c["win_rate_vs_start"] == sum(c["win_rates_vs_start"].values()) / 2
