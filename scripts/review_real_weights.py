@@ -89,7 +89,8 @@ def summary(eval_run: Path, out: Path, sweep: list[Path]) -> None:
             "dev_sweep": [sweep_row(r) for r in sweep], "preference_runs": list(runs.values())}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "review_real_weights.json", data)
-    plot_curves(list(runs.values()), out / "review_preference_curves.png")
+    if runs:  # PREFERENCE=0: no DPO or ORPO, no curves
+        plot_curves(list(runs.values()), out / "review_preference_curves.png")
     print(f"summary: {(out / 'review_real_weights.json').resolve()}")
 
 

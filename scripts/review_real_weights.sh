@@ -14,7 +14,8 @@
 # reviews' own ratings, with a dev eval of SFT at the picked decoding to fit the blend (docs/review.md,
 # "Every rating source"). The rating models train in the background beside SFT and the stages after it, which
 # they do not need; DPO, ORPO and the blend's dev eval run at once after the pick (every background stage's log in
-# LOGS, default RUNS_DIR/logs; MAX_JOBS: stages at once). Prints the report's and the summary's paths.
+# LOGS, default RUNS_DIR/logs; MAX_JOBS: stages at once). PREFERENCE=0 skips both DPOs and ORPO (a chain that
+# measures the ratings alone). Prints the report's and the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu/review}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
@@ -54,20 +55,26 @@ echo "picked on the dev papers: $decoding $reading" >&2
 # at the picked decoding, which fit the blend of the ratings: each reads only SFT's run, so they run at once,
 # beside the rating models (MAX_JOBS stages at once, by default as many as the GPU's memory holds at 20 GiB a
 # stage; one that runs out of memory beside the others runs again alone: scripts/demo_lib.sh)
-# shellcheck disable=SC2086  # the flags are words
-background dpo_base 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding
-# shellcheck disable=SC2086
-background dpo_sft 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding
-# shellcheck disable=SC2086
-background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft \
-  --loss orpo $decoding
+if [[ ${PREFERENCE:-1} == 1 ]]; then
+  # shellcheck disable=SC2086  # the flags are words
+  background dpo_base 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from base $decoding
+  # shellcheck disable=SC2086
+  background dpo_sft 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft $decoding
+  # shellcheck disable=SC2086
+  background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft \
+    --loss orpo $decoding
+fi
 if (( ${#RATING_CONFIGS[@]} )); then
   # shellcheck disable=SC2086
   background dev_eval 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
     --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}"
 fi
 wait_for_all
-dpo_base=$(cat "$LOGS/dpo_base.dir") dpo_sft=$(cat "$LOGS/dpo_sft.dir") orpo=$(cat "$LOGS/orpo.dir")
+policies=() policy_flags=()
+if [[ ${PREFERENCE:-1} == 1 ]]; then
+  policies=("$(cat "$LOGS/dpo_base.dir")" "$(cat "$LOGS/dpo_sft.dir")" "$(cat "$LOGS/orpo.dir")")
+  policy_flags=(--policy_runs "${policies[@]}")
+fi
 
 # The rating model: of RATING_CONFIGS' runs, the one of lowest dev MAE kept, with the blend fitted on SFT's dev
 # reviews; and RERANK_N (default 4) sampled SFT reviews a test paper, the one whose rating is nearest the rating
@@ -85,9 +92,9 @@ fi
 
 # shellcheck disable=SC2086
 evalrun=$(stage 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
-  --policy_runs "$dpo_base" "$dpo_sft" "$orpo" $decoding $reading "${rating_flags[@]}" "${EVAL_FLAGS[@]}")
+  "${policy_flags[@]}" $decoding $reading "${rating_flags[@]}" "${EVAL_FLAGS[@]}")
 "$PY" scripts/review_real_weights.py summary "$evalrun" "$SUMMARY_DIR" --sweep "${sweep[@]}"
 
 echo
-echo "reviewer on real weights finished in $(( $(date +%s) - start )) s; runs: $pairs $sft ${sweep[*]} ${ratings[*]:-} ${dev_eval:-} $dpo_base $dpo_sft $orpo $evalrun"
+echo "reviewer on real weights finished in $(( $(date +%s) - start )) s; runs: $pairs $sft ${sweep[*]} ${ratings[*]:-} ${dev_eval:-} ${policies[*]:-} $evalrun"
 echo "report: $(cd "$evalrun" && pwd)/report.md"
