@@ -26,6 +26,7 @@ from common import checkpoint_choice, fast, reward_terms
 from common.cli import cli
 from common.config import GRPOStageConfig
 from common.data import fit_prompt, load_split, one_per_group
+from common.generation import decoder_backends
 from common.generation_batches import GenerationBatches
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
 from common.runs import Run, settle
@@ -63,8 +64,8 @@ def build_trainer(config: GRPOStageConfig, run, policy, reward_funcs, prompts, t
     run.manifest["patches"] = fast.apply(trainer, config, judges=reward_terms.learned_judges(reward_funcs))
     # TRL's generate when asked (rollout_backend hf, fast_paths false) or for a model the static decoder
     # does not know: recorded either way.
-    decoder = {"decoder": "static", "decoder_weights": fast.weights_backend(policy, config.rollout_weights),
-               "decoder_attention": "sdpa"} if rollout else {"decoder": "trl_generate"}
+    decoder = decoder_backends(policy, True, config.rollout_weights, reproducible=False) if rollout \
+        else {"decoder": "trl_generate"}
     run.manifest["backends"] = fast.backends(config, run.manifest["patches"], **decoder,
                                              judge_scoring=judge_scoring(reward_funcs))
     return trainer

@@ -81,12 +81,14 @@ def decoder_for(model, static: bool = True) -> str:
     return "static" if static and fast.supports_fast_decode(model) else "hf_generate"
 
 
-def decoder_backends(model, static: bool, weights: str) -> dict:
+def decoder_backends(model, static: bool, weights: str, reproducible: bool = True) -> dict:
     """For the manifest: the decoder that runs, and how the static one reads the base weights and attends
-    (two grouped matmuls: reproducible on a GPU, where SDPA's cuDNN kernel is not)."""
+    (two grouped matmuls when `reproducible`: equal on a GPU from run to run, where SDPA's cuDNN kernel is not;
+    SDPA for GRPO's sampled rollouts, `fast.decode(..., reproducible=False)`)."""
     decoder = decoder_for(model, static)
+    attention = "grouped_matmuls" if reproducible else "sdpa"
     return {"decoder": decoder, **({"decoder_weights": fast.weights_backend(model, weights),
-                                    "decoder_attention": "grouped_matmuls"} if decoder == "static" else {})}
+                                    "decoder_attention": attention} if decoder == "static" else {})}
 
 
 @contextlib.contextmanager

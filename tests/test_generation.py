@@ -73,4 +73,5 @@ def test_the_manifest_records_the_static_decoders_attention_and_not_generates(fp
     model, _ = fp32_tiny
     assert decoder_backends(model, True, "bf16") == {"decoder": "static", "decoder_weights": "bf16_copies",
                                                      "decoder_attention": "grouped_matmuls"}
+    assert decoder_backends(model, True, "bf16", reproducible=False)["decoder_attention"] == "sdpa"  # GRPO's rollouts
     assert decoder_backends(model, False, "bf16") == {"decoder": "hf_generate"}
