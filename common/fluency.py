@@ -18,6 +18,9 @@ import torch
 from common.scorers import register
 
 
+LOGITS_BYTES = 1 << 30  # a forward's logits at most (counted at 4 bytes a value): 1 GiB
+
+
 class FluencyScorer:
     """score(prompts, replies) -> each reply's mean log-probability per predicted token (higher is more
     fluent; a reply of fewer than two tokens gets nan). The model is frozen, in full precision on the
@@ -49,16 +52,24 @@ class FluencyScorer:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         out = [math.nan] * len(replies)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # little padding
-        for begin in range(0, len(order), self.batch_size):
-            rows = [i for i in order[begin:begin + self.batch_size] if len(encoded[i]) >= 2]
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        begin = 0
+        while begin < len(order):
+            # as many replies a forward as batch_size, and as keep its logits within LOGITS_BYTES: 64 replies of
+            # 256 tokens over Gemma's 262k-token vocabulary are 8.6 GiB of bf16 logits, which ran out of memory
+            # beside other stages (sorted by length: the chunk's last reply is its longest)
+            longest = len(encoded[order[min(begin + self.batch_size, len(order)) - 1]])
+            step = max(1, min(self.batch_size, LOGITS_BYTES // (longest * vocab * 4)))
+            rows = [i for i in order[begin:begin + step] if len(encoded[i]) >= 2]
+            begin += step
             if not rows:
                 continue
             width = max(len(encoded[i]) for i in rows)
             ids = torch.tensor([encoded[i] + [pad] * (width - len(encoded[i])) for i in rows], device=device)
             mask = torch.tensor([[1] * len(encoded[i]) + [0] * (width - len(encoded[i])) for i in rows], device=device)
             logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1]
-            # one row at a time in fp32: a batch of 32 over Gemma's 262k-token vocabulary in fp32 is 8 GiB,
-            # twice (the logits and their log-softmax), and ran out of memory beside other stages
+            # one row at a time in fp32: the batch's logits and their log-softmax in fp32 at once would be twice
+            # the budget again
             token_lp = torch.stack([torch.log_softmax(row.float(), -1).gather(-1, targets[:, None])[:, 0]
                                     for row, targets in zip(logits, ids[:, 1:])])
             kept = mask[:, 1:].float()

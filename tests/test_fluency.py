@@ -55,6 +55,25 @@ def test_scores_do_not_depend_on_the_batch(smol_model):
         assert abs(a - b) < 1e-4, (a, b)
 
 
+def test_a_forward_keeps_its_logits_within_the_budget_and_the_scores_do_not_change(tiny_model, monkeypatch):
+    """A large vocabulary (Gemma's 262k tokens) makes a batch's logits gigabytes: the scorer takes fewer replies
+    a forward where they would pass `LOGITS_BYTES`, with the same scores."""
+    from common import fluency
+    replies = [REPLY, salad(REPLY, 1), REPLY[:80], "Yes.", REPLY[:200]]
+    scorer = FluencyScorer(tiny_model, batch_size=4)
+    widths, forward = [], scorer.model.forward
+    monkeypatch.setattr(scorer.model, "forward", lambda **kw: widths.append(kw["input_ids"].shape) or forward(**kw))
+    whole = scorer.score([[]] * 5, replies)
+    assert [w[0] for w in widths] == [4, 1]  # batch_size 4, then the last reply
+    vocab = scorer.model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(fluency, "LOGITS_BYTES", 2 * 40 * vocab * 4)  # two rows of 40 tokens
+    widths.clear()
+    cut = scorer.score([[]] * 5, replies)
+    assert all(rows * width * vocab * 4 <= fluency.LOGITS_BYTES or rows == 1 for rows, width in widths), widths
+    assert len(widths) > 2
+    assert all(abs(a - b) < 1e-4 for a, b in zip(whole, cut)), (whole, cut)
+
+
 def test_perplexity_of_fixed_log_probs():
     assert perplexity([-1.0, -3.0]) == math.exp(2.0)
     assert perplexity([math.nan, -2.0]) == math.exp(2.0)
