@@ -17,7 +17,6 @@ import torch
 
 from common.scorers import register
 
-
 LOGITS_BYTES = 1 << 30  # a forward's logits at most (counted at 4 bytes a value): 1 GiB
 
 
