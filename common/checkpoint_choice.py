@@ -107,12 +107,14 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
               for spec in config.dev_judges]
     fluency = FluencyScorer(resolve_model_path(config.fluency_model_name_or_path),
                             batch_size=config.reward_batch_size, max_tokens=config.max_completion_length)
+    decoding = {"repetition_penalty": config.checkpoint_repetition_penalty, "temperature": config.checkpoint_temperature,
+                "no_repeat_ngram_size": config.checkpoint_no_repeat_ngram_size, "seed": config.seed}
     curve, scored = [], []
     for step in saved_steps(run.dir):
         load_step(policy, run.dir, step)
         replies, cut = replies_and_cuts(policy, tokenizer, prompts, config.max_completion_length,
-                                        config.rollout_batch_size, temperature=0.0, weights=config.rollout_weights,
-                                        static=config.fast_paths and config.rollout_backend == "static")
+                                        config.rollout_batch_size, weights=config.rollout_weights,
+                                        static=config.fast_paths and config.rollout_backend == "static", **decoding)
         scored.append({f"{j.name}" if j is not training_judge else "judge": j.score(prompts, replies) for j in judges})
         by_judge = {name: _mean(scores) for name, scores in scored[-1].items()}
         wins = {name: win_rate(scores, scored[0][name]) for name, scores in scored[-1].items()}
@@ -136,6 +138,7 @@ def evaluate(config, run, policy, tokenizer, training_judge) -> dict:
     plot = plot_curve(run.dir, curve, chosen)
     return {"chosen_step": chosen, "premises": len(prompts), "dev_judges": list(config.dev_judges),
             "dev_judge_families": families, "training_judge_family": trained, "warning": warning,
+            "decoding": decoding, "max_new_tokens": config.max_completion_length,
             "fluency_model": config.fluency_model_name_or_path, "fluency_tolerance": config.fluency_tolerance,
             "rule": "highest win rate against the start's replies (step 0; the mean over the dev judges) among "
                     "steps whose fluency is at most fluency_tolerance below the start's; ties to the earlier step",

@@ -174,7 +174,8 @@ echo "decoding (chosen on dev): $decoding" >&2
 #    GRPO_ONLY (names of GRPO_RECIPES) runs a subset: a larger writer on one GPU has time for fewer.
 for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   args=${GRPO_RECIPES[$name]}
-  [[ $args == *--checkpoint_eval_steps* ]] && args+=" --dev_judges ${DEV_JUDGE:-judge}"
+  # its checkpoints' dev replies decoded as the eval will decode the kept one: the decoding chosen on dev
+  [[ $args == *--checkpoint_eval_steps* ]] && args+=" --dev_judges ${DEV_JUDGE:-judge} ${decoding//--/--checkpoint_}"
   # shellcheck disable=SC2086
   background "grpo_$name" 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" --sft_run "$sft" \
     --reward_run "$judge" $args $GRPO_ARGS --run_name "GRPO_$name"

@@ -73,6 +73,9 @@ def test_reward_weights_must_match_reward_funcs():
         GRPOStageConfig(pairs_run="p", reward_run="r", checkpoint_eval_steps=2, fluency_model_name_or_path="m")
     with pytest.raises(ConfigError, match="fluency_model_name_or_path"):
         GRPOStageConfig(pairs_run="p", reward_run="r", reward_funcs=["fluency"], reward_weights=[1.0])
+    with pytest.raises(ConfigError, match="checkpoint_no_repeat_ngram_size") as err:
+        GRPOStageConfig(pairs_run="p", reward_run="r", checkpoint_no_repeat_ngram_size=1)
+    assert err.value.field == "checkpoint_no_repeat_ngram_size"
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,8 @@ def grpo_with_terms(tiny_model, pairs_run, tmp_path_factory):
                       + 'reward_funcs: [judge, par, fluency, "tests.test_reward_terms:shorter"]\n'
                       + "reward_weights: [1.0, 0.5, 0.1, 0.5]\nbeta: 0.05\n"
                       + "fluency_model_name_or_path: .cache/models/tiny-llama3\n"
-                      + 'checkpoint_eval_steps: 1\ncheckpoint_eval_premises: 3\ndev_judges: [judge, "tests.test_reward_terms:shorter"]\n')
+                      + 'checkpoint_eval_steps: 1\ncheckpoint_eval_premises: 3\ndev_judges: [judge, "tests.test_reward_terms:shorter"]\n'
+                      + "checkpoint_repetition_penalty: 1.2\n")  # the checkpoints decoded as 05 would
     grpo = run_dir_of(run_stage("04_train_grpo.py", "--config", recipe, "--pairs_run", pairs_run,
                                 "--reward_run", reward, "--runs_dir", runs))
     return grpo
@@ -200,6 +204,7 @@ def test_grpo_keeps_the_step_the_dev_judges_chose(grpo_with_terms):
     assert choice["chosen_step"] == choose(choice["curve"], choice["fluency_tolerance"])
     assert choice["dev_judge_families"] == ["llama", None] and choice["warning"] is None
     assert choice["training_judge_family"] == "llama"
+    assert choice["decoding"] == {"repetition_penalty": 1.2, "temperature": 0.0, "no_repeat_ngram_size": 0, "seed": 42}
     for c in choice["curve"]:
         assert set(c["judges"]) == set(c["win_rates_vs_start"]) == {"judge", "shorter"} and c["fluency"] < 0
         assert c["win_rate_vs_start"] == sum(c["win_rates_vs_start"].values()) / 2

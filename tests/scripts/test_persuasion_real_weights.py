@@ -312,6 +312,7 @@ def test_a_grpo_recipe_that_is_not_one_stops_the_chain_before_anything_trains(tm
                   if line.startswith("04_train_grpo.py") and "--run_name GRPO_par" in line)
     assert len(grpo) == 2 and "--steps_per_generation 4" in grpo[1] and "--steps_per_generation" not in grpo[0], grpo
     assert " --beta 0.04 " in grpo[0], grpo  # the KL anchor chosen on dev, GATE_BETA's default
+    assert " --checkpoint_temperature 0 " in grpo[0] + " ", grpo  # the checkpoints decoded as the eval decodes
     assert grpo[1].replace(" --steps_per_generation 4", "").replace("_spg4", "") == grpo[0], grpo
 
 
