@@ -587,9 +587,9 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
     fluency_tolerance: float = arg(
         0.5, "checkpoint choice: a step qualifies when its replies' mean token log-prob is at most this below the "
         "starting policy's", ge=0)
-    # The dev replies decoded as stage 05 will decode the kept step's: greedy without a penalty loops to the cap
-    # (72-84% of SFT's dev replies cut in two qwen-gpu runs, against 16-18% at 05's decoding), and the choice then
-    # rewards the step that loops less, not the one that argues better.
+    # The dev replies decoded as stage 05 will decode the kept step's: greedy without a penalty runs to the cap
+    # (62-78% of SFT's dev replies in four qwen-gpu runs, 13-18% at 05's decoding), and the choice then kept the
+    # step that loops least (6 choices of 7), not the one that argues better.
     checkpoint_repetition_penalty: float = arg(
         1.0, "checkpoint choice: the dev replies' repetition penalty (05's decoding; the chains pass the one chosen "
         "on dev)", gt=0)
