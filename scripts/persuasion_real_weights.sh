@@ -65,6 +65,9 @@ for b in ${GATE_BETA:-} ${GRPO_BETAS:-}; do
 for k in $CHECKPOINT_EVAL_STEPS ${GRPO_SPG:-}; do
   [[ $k =~ ^[1-9][0-9]*$ ]] || { echo "error: CHECKPOINT_EVAL_STEPS / GRPO_SPG: '$k' is not a whole number of steps" \
     "(> 0; GRPO_SPG takes them space-separated)" >&2; exit 1; }; done
+for w in ${DECODING:-}; do  # GRPO's checkpoint choice takes the same three fields (--checkpoint_<field>)
+  [[ $w != --* || $w =~ ^--(temperature|repetition_penalty|no_repeat_ngram_size)$ ]] || { echo "error: DECODING:" \
+    "'$w' is none of --temperature, --repetition_penalty, --no_repeat_ngram_size" >&2; exit 1; }; done
 gate="--learning_rate 1e-4 --reward_funcs par fluency --reward_weights 1 1 --fluency_mode gate \
   --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="$gate --beta ${GATE_BETA:-0.04}"

@@ -279,7 +279,9 @@ def test_the_recipe_chosen_on_dev_needs_recipes_scored_alike():
 @pytest.mark.parametrize("env, named", [({"GRPO_BETAS": "0.01,0.1"}, "'0.01,0.1' is not a KL weight"),
                                         ({"GATE_BETA": "-0.04"}, "'-0.04' is not a KL weight"),
                                         ({"CHECKPOINT_EVAL_STEPS": "0"}, "'0' is not a whole number of steps"),
-                                        ({"GRPO_SPG": "4 x"}, "'x' is not a whole number of steps")])
+                                        ({"GRPO_SPG": "4 x"}, "'x' is not a whole number of steps"),
+                                        ({"DECODING": "--temperature 0 --generation_weights bf16"},
+                                         "'--generation_weights' is none of --temperature")])
 def test_a_practice_knob_that_is_not_a_number_stops_the_chain_before_anything_trains(tmp_path, env, named):
     code, out = _chain(tmp_path, FLUENCY_MODEL="lm", CALLS=str(tmp_path / "calls"), **env)
     assert code == 1 and named in out, out[-2000:]
