@@ -3,6 +3,8 @@ structured reviews (review).
 
     python 02_train_sft.py --config configs/smol/02_train_sft.yaml --pairs_run runs/Nov30_Pairs_Run1
     python 02_train_sft.py --config configs/smol/review/02_train_sft.yaml --pairs_run runs/Dec01_Pairs_Run2
+    python 02_train_sft.py --config configs/smol/02_train_sft.yaml --pairs_run runs/Nov30_Pairs_Run1 \
+        --targets_from runs/Nov30_Eval_Run2 --sft_run runs/Nov30_SFT_Run1     # RAFT (common/raft.py)
 
 Prompt/completion data: TRL masks the prompt, so the loss is on the reply only. Each example is cut
 to fit `max_length` here rather than letting the trainer cut the reply off blindly: a CMV premise to
@@ -13,6 +15,7 @@ or is cut to fit (`whole`, for a long-context base). Writes the adapter (adapter
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from datasets import Dataset
 from transformers import set_seed
@@ -23,7 +26,7 @@ from common.cli import cli
 from common.config import SFTStageConfig
 from common.data import train_and_dev
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.raft import best_of_n_targets
+from common.raft import best_of_n_targets, check_start
 from common.runs import Run, settle
 from common.tasks import get_task
 from common.training import save_adapter, train, trainer_args
@@ -55,8 +58,8 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory; the pairs run must be finished. The manifest records which base
     #    this adapter belongs to (the base lock of every later stage).
     set_seed(config.seed)
-    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run,
-                                                **({"targets_from": config.targets_from} if config.targets_from else {})},
+    raft = {"targets_from": config.targets_from, "sft_run": config.sft_run}
+    run = Run("SFT", config, overrides, inputs={"pairs_run": config.pairs_run, **{k: v for k, v in raft.items() if v}},
               base=fingerprint(config))
     run.start_tracking()
 
@@ -65,11 +68,15 @@ def main(config: SFTStageConfig, overrides: dict) -> None:
     if config.targets_from:  # RAFT: the best-of-n picks of an eval run of the train split instead (common/raft.py)
         train_rows, run.manifest["targets_from"] = best_of_n_targets(config.targets_from, train_rows,
                                                                       config.targets_without_greedy)
+        if config.sft_run:  # from the adapter that sampled them
+            check_start(run)
     log.info("SFT on %d train rows, dev loss on %d", len(train_rows), len(dev_rows))
 
-    # 3. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter.
+    # 3. Model: 4-bit NF4 base + a fresh rank-64 rsLoRA adapter (RAFT with --sft_run: that run's, trained on).
     tokenizer = load_tokenizer(config)
-    model = load_model(config, CAUSAL_LM, tokenizer=tokenizer)
+    model = load_model(config, CAUSAL_LM, tokenizer=tokenizer,
+                       adapter=Path(config.sft_run) / "adapter" if config.sft_run else None)
+    run.manifest["started_from"] = "sft" if config.sft_run else "base"
     trainer = build_trainer(config, run, model, tokenizer, train_rows, dev_rows)
 
     # 4. Train (from the last checkpoint of this run if it was interrupted), evaluate, save.

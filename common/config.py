@@ -356,11 +356,17 @@ class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArg
     targets_without_greedy: bool = arg(
         False, "with targets_from a run of best_of_n_with_greedy: the pick among its sampled candidates alone, the "
         "plain RAFT from the same generation (common/raft.py)")
+    sft_run: str | None = arg(
+        None, "RAFT: train on from this SFT run's adapter, the policy targets_from sampled, instead of a fresh "
+        "adapter on the base (rejection-sampling fine-tuning continues the policy whose samples it keeps)")
 
     def check(self):
         if self.targets_without_greedy and not self.targets_from:
             raise ConfigError("field 'targets_without_greedy' picks among the samples of --targets_from: give it",
                               "targets_without_greedy")
+        if self.sft_run and not self.targets_from:
+            raise ConfigError("--sft_run is where RAFT starts: give --targets_from (the best-of-n picks it trains on)",
+                              "sft_run")
 
 
 @dataclass

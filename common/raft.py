@@ -17,6 +17,7 @@ from pathlib import Path
 from common.best_of_n import choose
 from common.config import load_run_config
 from common.data import DataError, one_per_group, read_jsonl
+from common.runs import RunError
 
 
 def best_of_n_targets(eval_run: str | Path, train_rows: list[dict], without_greedy: bool = False) -> tuple[list[dict], dict]:
@@ -63,3 +64,14 @@ def _among_the_samples(best: dict) -> dict:
     if "candidate_passed" in best:
         out["candidate_passed"] = best["candidate_passed"][1:]
     return out
+
+
+def check_start(run) -> None:
+    """RAFT from an SFT adapter (`--sft_run`) continues the policy whose samples it keeps: the SFT run that
+    `--targets_from`'s replies were sampled from (by the digest both manifests record)."""
+    ours = run.manifest["inputs"]["sft_run"]
+    theirs = (run.inputs["targets_from"].get("inputs") or {}).get("sft_run") or {}
+    if theirs.get("sha256") != ours["sha256"]:
+        sampler = theirs.get("run_name") or theirs.get("path") or "no SFT run (the base)"
+        raise RunError(f"--sft_run {ours['path']}: --targets_from's replies were sampled from {sampler}, not from "
+                       f"it; RAFT continues the policy whose samples it trains on")

@@ -192,7 +192,9 @@ if [[ ${PREFERENCE:-1} == 1 ]]; then
   background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --loss orpo --run_name ORPO
 fi
 # RAFT, the cheap alternative (common/raft.py): SFT's best of BEST_OF_N samples on MAX_PREMISES train premises,
-# picked by the training judge among those that pass the fluency gate, then SFT on the picks. RAFT=0 skips it.
+# picked by the training judge among those that pass the fluency gate, then SFT's adapter trained on the picks
+# (`--sft_run`: RAFT continues the policy that sampled them; before 2026-12-06 a fresh adapter on the base learned
+# them, which confounds the picks with 100 examples against SFT's 857). RAFT=0 skips it.
 fluency=(); [[ -n $FLUENCY_MODEL ]] && fluency=(--fluency_model_name_or_path "$FLUENCY_MODEL")
 # RAFT_GREEDY=1 adds raft_greedy: SFT's greedy reply is a candidate too (best_of_n_with_greedy), so that a pick
 # is never a sample less fluent than the gate asks (most picks of the third run were: no sample passed). Both
@@ -206,10 +208,10 @@ if [[ ${RAFT:-1} == 1 ]]; then
     "${greedy[@]}" --max_premises "$MAX_PREMISES" $decoding --run_name RAFT_Targets
   # its SFT as soon as its targets are written, beside the other practice stages
   background raft --after raft_targets 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" --pairs_run "$pairs" \
-    --targets_from @raft_targets "${plain[@]}" --run_name RAFT
+    --sft_run "$sft" --targets_from @raft_targets "${plain[@]}" --run_name RAFT
   if [[ ${RAFT_GREEDY:-0} == 1 ]]; then
     background raft_greedy --after raft_targets 02_train_sft.py --config "$RECIPE/02_train_sft.yaml" \
-      --pairs_run "$pairs" --targets_from @raft_targets --run_name RAFT_Greedy
+      --pairs_run "$pairs" --sft_run "$sft" --targets_from @raft_targets --run_name RAFT_Greedy
   fi
 fi
 wait_for_all --allow_failures

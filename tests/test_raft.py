@@ -89,6 +89,34 @@ def test_best_of_n_with_the_greedy_reply_always_has_a_fluent_candidate(pairs_run
     assert "best_of_n_with_greedy" in error_line(proc)
 
 
+@pytest.mark.stage
+def test_raft_from_the_sft_adapter_continues_the_policy_that_sampled_its_targets(pairs_run, tiny_model, tmp_path):
+    """Rejection-sampling fine-tuning trains on the policy whose samples it keeps (`--sft_run`), not on a fresh
+    adapter on the base: its adapter starts as SFT's; picks sampled from another model are refused."""
+    from safetensors.torch import load_file
+    common = ["--runs_dir", tmp_path, "--pairs_run", pairs_run]
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", *common))
+    best_of = ["--config", "configs/tiny/05_eval.yaml", "--split", "train", "--best_of_n", "2", "--best_of_n_scorer",
+               "tests.test_scorers:words", "--fluency_model_name_or_path", tiny_model, "--max_premises", "4", *common]
+    picks = run_dir_of(run_stage("05_eval.py", *best_of, "--sft_run", sft))
+    raft = run_dir_of(run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--targets_from", picks,
+                                "--sft_run", sft, "--max_steps", "1", "--learning_rate", "1e-6", *common))
+    manifest = json.loads((raft / "manifest.json").read_text())
+    assert manifest["started_from"] == "sft" and manifest["inputs"]["sft_run"]["run_name"] == sft.name
+    start, kept = (load_file(run / "adapter" / "adapter_model.safetensors") for run in (sft, raft))
+    assert start.keys() == kept.keys()
+    lora_b = [k for k in start if "lora_B" in k]  # zero in a fresh adapter; SFT's training moved it
+    assert lora_b and all(start[k].abs().max() > 0 for k in lora_b)
+    for k in lora_b:  # one step at lr 1e-6: still SFT's B, where a fresh adapter's would be about 0
+        assert (kept[k].float() - start[k].float()).abs().max() < 0.05 * start[k].float().abs().max(), k
+    # picks sampled from the base are no RAFT start for SFT's adapter; --sft_run alone is no RAFT: one error line each
+    from_base = run_dir_of(run_stage("05_eval.py", *best_of))
+    for extra in (["--targets_from", from_base], []):
+        proc = run_stage("02_train_sft.py", "--config", "configs/tiny/02_train_sft.yaml", "--sft_run", sft, *extra,
+                         *common, check=False)
+        assert "--sft_run" in error_line(proc), proc.stderr[-2000:]
+
+
 def plain_picks(pairs_run, tiny_model, tmp_path):
     """A best-of-2 run of the train split without the greedy reply."""
     return run_dir_of(run_stage("05_eval.py", "--config", "configs/tiny/05_eval.yaml", "--pairs_run", pairs_run,

@@ -184,6 +184,8 @@ def test_raft_trains_once_its_targets_are_written_not_once_all_practice_has(tmp_
     plain, greedy = ([line for line in calls if f"--run_name {name} " in line + " "] for name in ("RAFT", "RAFT_Greedy"))
     assert len(plain) == len(greedy) == 1 and source in plain[0] and source in greedy[0], calls
     assert "--targets_without_greedy true" in plain[0] and "--targets_without_greedy" not in greedy[0]
+    assert all(" --sft_run " in line for line in plain + greedy), calls  # from SFT's adapter, which sampled them
+    assert len({line.split(" --sft_run ")[1].split()[0] for line in plain + greedy + targets}) == 1, calls
     evaluated = next(line for line in calls if "--policy_runs" in line and "--split train" not in line)
     assert f"{tmp_path / 'runs' / 'RAFT'} " in evaluated and f"{tmp_path / 'runs' / 'RAFT_Greedy'}" in evaluated
     assert "--best_of_n_with_greedy true" in evaluated  # the eval's best_of_n has SFT's greedy reply among its candidates
