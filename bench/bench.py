@@ -428,7 +428,8 @@ class Bench:
         from common.cli import parse_config
         argv = ["--config", str(REPO / "configs" / recipe / yaml_name), "--model_name_or_path", self.model_path,
                 "--report_to", "none", "--save_steps", "1000000", "--logging_steps", "1000000"]
-        for name in ("pairs_run", "sft_run", "reward_run"):
+        inputs = ("pairs_run", "reward_run") if cls.STAGE == "SFT" else ("pairs_run", "sft_run", "reward_run")
+        for name in inputs:  # SFT's sft_run is RAFT's start, no input an SFT needs
             if name in {f.name for f in dataclasses.fields(cls)}:
                 argv += [f"--{name}", "bench"]
         for key, value in over.items():
