@@ -86,11 +86,11 @@ background() {
 BACKGROUND=() FAILED=() STOPPED=()
 declare -A ARGS_OF=() RETRIED=()
 
-# `gpu_jobs GIB`: how many stages of GIB GiB each the GPU's memory holds (at least 1; 8 without nvidia-smi), a
-# chain's default MAX_JOBS.
+# `gpu_jobs GIB`: how many stages of GIB GiB each the GPU's free memory holds (at least 1; 8 without nvidia-smi), a
+# chain's default MAX_JOBS. Free, not total: another job on the card (a test suite, a second chain) keeps its share.
 gpu_jobs() {
   local mib
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+  mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
   echo $(( ${mib:-0} >= $1 * 1024 ? ${mib:-0} / ($1 * 1024) : (${mib:-0} > 0 ? 1 : 8) ))
 }
 

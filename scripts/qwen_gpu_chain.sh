@@ -40,7 +40,7 @@ export CANDIDATES_FILE=${CANDIDATES_FILE:-configs/qwen-gpu/judges_later_posts_ca
 variants=(); for b in $GRPO_BETAS; do variants+=("par_fluency_gate_beta$b"); done
 for k in ${GRPO_SPG:-}; do variants+=("par_fluency_gate_spg$k"); done
 export GRPO_ONLY=${GRPO_ONLY:-lr1e-4 par_fluency_gate ${variants[*]}}
-# MAX_JOBS, stages at once, from the GPU's memory: one a 20 GiB (3 on an 80 GB H100, 7 on an H200; 8 without
+# MAX_JOBS, stages at once, from the GPU's free memory: one a 20 GiB (3 on an idle 80 GB H100, 7 on an idle H200; 8 without
 # nvidia-smi). At 17.5 GiB an H100 ran four practice stages, and DPO (25 GiB at its peak) and a GRPO recipe ran out
 # of memory beside ORPO, which held 33 GiB for a 22.7 GiB peak (docs/results.md, seventh run); on an H200 sixteen
 # stages at once did (fifteen judge candidates beside SFT). A stage that runs out of memory beside others still

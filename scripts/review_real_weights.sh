@@ -53,7 +53,7 @@ echo "picked on the dev papers: $decoding $reading" >&2
 
 # DPO with base-written and with SFT-written rejected reviews, ORPO, and (with rating models) SFT's dev reviews
 # at the picked decoding, which fit the blend of the ratings: each reads only SFT's run, so they run at once,
-# beside the rating models (MAX_JOBS stages at once, by default as many as the GPU's memory holds at 20 GiB a
+# beside the rating models (MAX_JOBS stages at once, by default as many as the GPU's free memory holds at 20 GiB a
 # stage; one that runs out of memory beside the others runs again alone: scripts/demo_lib.sh)
 if [[ ${PREFERENCE:-1} == 1 ]]; then
   # shellcheck disable=SC2086  # the flags are words

@@ -129,15 +129,18 @@ def test_a_chain_that_stops_on_an_error_stops_its_background_stages(tmp_path):
     assert not (tmp_path / "runs" / "finished").exists()
 
 
-def test_gpu_jobs_counts_the_stages_a_gpus_memory_holds(tmp_path):
-    """A chain's default MAX_JOBS: 20 GiB a stage is 3 on an 80 GB H100 (81,559 MiB), 7 on an H200 (143,771 MiB),
-    1 on a card smaller than a stage; 8 where nvidia-smi says nothing (a machine without a GPU)."""
+def test_gpu_jobs_counts_the_stages_a_gpus_free_memory_holds(tmp_path):
+    """A chain's default MAX_JOBS: 20 GiB a stage is 3 on an idle 80 GB H100 (81,559 MiB free), 7 on an idle H200
+    (143,771 MiB), 1 where another job leaves 40,000 of 81,559 free or the card is smaller than a stage; 8 where
+    nvidia-smi says nothing (a machine without a GPU)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     counts = {}
-    for mib in (81559, 143771, 16384, None):
-        _stages(bin_dir, "nvidia-smi", f"echo {mib}\n" if mib else "exit 127\n")
+    for total, free in ((81559, 81559), (143771, 143771), (81559, 40000), (16384, 16384), (None, None)):
+        # the stand-in answers the query it is asked: total and free differ where another job holds memory
+        body = (f'case "$*" in *memory.free*) echo {free};; *) echo {total};; esac\n' if total else "exit 127\n")
+        _stages(bin_dir, "nvidia-smi", body)
         proc = _demo(tmp_path, "gpu_jobs 20", PATH=f"{bin_dir}:{os.environ['PATH']}")
         assert proc.returncode == 0, proc.stdout
-        counts[mib] = int(proc.stdout.strip())
-    assert counts == {81559: 3, 143771: 7, 16384: 1, None: 8}
+        counts[(total, free)] = int(proc.stdout.strip())
+    assert counts == {(81559, 81559): 3, (143771, 143771): 7, (81559, 40000): 1, (16384, 16384): 1, (None, None): 8}
