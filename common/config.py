@@ -135,6 +135,12 @@ def check_model_path(name: str, path: str | None) -> None:
                               f"(known: {', '.join(MODEL_PACKAGES)})", name)
 
 
+def check_ngram_size(name: str, size: int) -> None:
+    """A no-repeat n-gram size is 0 (off) or at least 2."""
+    if size == 1:
+        raise ConfigError(f"field '{name}' must be 0 (off) or at least 2: 1 would ban every token already written", name)
+
+
 @dataclass
 class TrainArgs:
     """Optimisation fields shared by the training stages (02, 03, 04)."""
@@ -330,9 +336,7 @@ class DecodingArgs:
         "(common/fast/decode_step.py)", plain="nf4")
 
     def check(self):
-        if self.no_repeat_ngram_size == 1:
-            raise ConfigError("field 'no_repeat_ngram_size' must be 0 (off) or at least 2: 1 would ban every token "
-                              "already written", "no_repeat_ngram_size")
+        check_ngram_size("no_repeat_ngram_size", self.no_repeat_ngram_size)
 
     def decoding(self) -> dict:
         return {"repetition_penalty": self.repetition_penalty, "no_repeat_ngram_size": self.no_repeat_ngram_size,
@@ -635,9 +639,7 @@ class GRPOStageConfig(RunArgs, ModelArgs, TrainArgs, OneSequenceArgs):
                 raise ConfigError("checkpoint_eval_steps > 0 needs fluency_model_name_or_path (the fluency check)",
                                   "fluency_model_name_or_path")
             check_model_path("fluency_model_name_or_path", self.fluency_model_name_or_path)
-        if self.checkpoint_no_repeat_ngram_size == 1:
-            raise ConfigError("field 'checkpoint_no_repeat_ngram_size' must be 0 (off) or at least 2: 1 would ban every "
-                              "token already written", "checkpoint_no_repeat_ngram_size")
+        check_ngram_size("checkpoint_no_repeat_ngram_size", self.checkpoint_no_repeat_ngram_size)
         if self.max_tokens_per_batch:
             raise ConfigError("max_tokens_per_batch is for SFT, the reward model and DPO; GRPO's micro-batches are "
                               "its sampled completions", "max_tokens_per_batch")
