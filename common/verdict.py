@@ -160,8 +160,22 @@ def decide(results: dict, judges: dict, gate, fluency_checked: bool,
         else:
             reasons.append("fluency not checked (no fluency_model_name_or_path)")
             reasons += fluency_failures({**r, "perplexity": None}, results[ref], ref, gate)
+        caveats = weak_witnesses(main, judges) if main and not reasons else []
         out[model] = {"holds": not reasons, "reference": ref, "vs_base": vs["base"], "vs_sft": vs["sft"],
-                      "reasons": reasons, **({"practised_against": sorted(mine)} if mine else {})}
+                      "reasons": reasons, **({"caveats": caveats} if caveats else {}),
+                      **({"practised_against": sorted(mine)} if mine else {})}
+    return out
+
+
+def weak_witnesses(seen: dict, judges: dict) -> list[str]:
+    """The counted judges of a gain that holds whose own accuracy on their audit's pairs is not shown above
+    chance (its interval reaches 0.5): the rule is met, but such a judge's preference may not be persuasion.
+    A caveat, not a reason: the rule stays the two families and the fluency gate."""
+    out = []
+    for name in seen["judges"]:
+        audit = judges[name].get("audit")
+        if judges[name].get("family", UNKNOWN) in seen["families"] and audit and audit["accuracy_ci95"][0] <= 0.5:
+            out.append(f"{name} is not shown to pick winners ({_accuracy(audit)})")
     return out
 
 
@@ -174,6 +188,8 @@ def verdict_lines(results: dict, judges: dict, verdicts: dict) -> list[str]:
     for model, v in verdicts.items():
         head = f"**{model}** vs {v['reference']}: " + ("holds" if v["holds"] else "rejected: " + "; ".join(
             reason.removeprefix("judges: ") for reason in v["reasons"]))
+        if v.get("caveats"):
+            head += ", but " + "; ".join(v["caveats"])
         parts = []
         for name in held_out:
             scored = results[model]["by_judge"].get(name, {})
@@ -189,10 +205,9 @@ def verdict_lines(results: dict, judges: dict, verdicts: dict) -> list[str]:
     audits = [(n, judges[n]["audit"]) for n in held_out if judges[n].get("audit")]
     if audits:
         lines.append("Held-out judges' own accuracy (the real winner picked, on their audit's pairs): " + "; ".join(
-            f"{n} {_ci({'a': a['accuracy'], 'a_ci95': a['accuracy_ci95']}, 'a')} on {a['n_pairs']} {a['split']} pairs"
-            for n, a in audits) + "." + ("" if all(a["accuracy_ci95"][0] > 0.5 for _, a in audits) else
-                                          " A judge whose interval reaches 0.5 is not shown to pick winners: "
-                                          "what it prefers may not be persuasion."))
+            f"{n} {_accuracy(a)}" for n, a in audits) + "." + ("" if all(a["accuracy_ci95"][0] > 0.5 for _, a in audits)
+                                                               else " A judge whose interval reaches 0.5 is not shown "
+                                                               "to pick winners: what it prefers may not be persuasion."))
     return lines
 
 
@@ -223,6 +238,12 @@ def fluency_model_line(fluency_family: str | None, policy_family: str, path: str
         line += (f" **The fluency model is of the policy's family ({policy_family})**: it may find the policy's "
                  f"own habits fluent; a model of another family is the stricter check.")
     return [line]
+
+
+def _accuracy(audit: dict) -> str:
+    """A judge's own accuracy on its audit's pairs, with its interval and the pairs it was read on."""
+    return f"{_ci({'a': audit['accuracy'], 'a_ci95': audit['accuracy_ci95']}, 'a')} on {audit['n_pairs']} " \
+           f"{audit['split']} pairs"
 
 
 def _ci(r: dict, key: str) -> str:

@@ -101,6 +101,25 @@ def test_the_held_out_judges_own_accuracy_follows_the_verdict():
     assert not any("own accuracy" in line for line in verdict_lines(results, JUDGES, verdicts))  # no audit, no line
 
 
+def test_a_gain_that_holds_on_a_judge_not_shown_to_pick_winners_says_so():
+    results = _results(_model({"Train": WIN, "MiniLM2": WIN, "MiniLM3": EVEN, "Smol": WIN}, perplexity=11.0))
+    audit = {"split": "test", "n_pairs": 128}
+    judges = {**JUDGES, "MiniLM2": {**JUDGES["MiniLM2"], "audit": {**audit, "accuracy": 0.58, "accuracy_ci95": [0.48, 0.66]}},
+              "MiniLM3": {**JUDGES["MiniLM3"], "audit": {**audit, "accuracy": 0.5, "accuracy_ci95": [0.4, 0.6]}},
+              "Smol": {**JUDGES["Smol"], "audit": {**audit, "accuracy": 0.59, "accuracy_ci95": [0.51, 0.68]}}}
+    grpo = decide(results, judges, GATE, fluency_checked=True)["grpo"]
+    # the rule is met; MiniLM3, at chance too, is no witness of the gain, so it is not named
+    assert grpo["holds"] and grpo["reasons"] == []
+    assert grpo["caveats"] == ["MiniLM2 is not shown to pick winners (0.58 [0.48, 0.66] on 128 test pairs)"]
+    (line, *_) = verdict_lines(results, judges, {"grpo": grpo})
+    assert line.startswith("**grpo** vs sft: holds, but MiniLM2 is not shown to pick winners (0.58 [0.48, 0.66] on "
+                           "128 test pairs). Held-out judges: ")
+    judges["MiniLM2"]["audit"]["accuracy_ci95"] = [0.51, 0.66]
+    assert "caveats" not in decide(results, judges, GATE, fluency_checked=True)["grpo"]  # both witnesses pick winners
+    rejected = _results(_model({"Train": WIN, "MiniLM2": WIN, "MiniLM3": EVEN, "Smol": EVEN}, perplexity=11.0))
+    assert "caveats" not in decide(rejected, judges, GATE, fluency_checked=True)["grpo"]  # a rejection needs none
+
+
 def test_without_a_fluency_model_nothing_holds_and_loops_still_count():
     results = _results(_model(dict.fromkeys(JUDGES, WIN), perplexity=None, looped_share=0.1))
     verdict = decide(results, JUDGES, GATE, fluency_checked=False)["grpo"]
