@@ -199,12 +199,13 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
               "*copied*: the share of a reply's "
               f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies; "
               "*refused*: the share of replies that decline (\"I'm sorry, but I can't\", \"As an AI\", ...: "
-              "common/watch.py REFUSAL_PATTERNS); *off-topic*: the share of replies less related to their "
+              "common/watch.py REFUSAL_PATTERNS); *conceded*: the share that tell the poster they are right (\"I agree\", "
+              "\"you're right\", \"valid point\", ...: CONCESSION_PATTERNS); *off-topic*: the share of replies less related to their "
               f"{nouns['premise']} (tf-idf cosine) than 90% of the {nouns['references']} are (about 0.10 for "
               "those by construction)."]
     lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | cut | looped | copied | "
-              f"distinct-2 | refused | off-topic |{fluency_head}",
-              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" +
+              f"distinct-2 | refused | conceded | off-topic |{fluency_head}",
+              "| --- |" + (" --- | --- | --- |" if rewards else "") + " --- |" * 12 +
               (" --- | --- |" if fluent else "")]
     for name in names:
         r = results[name]
@@ -214,7 +215,7 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
                      f"{r['rougeL']:.3f} | {r['reply_words_mean']:.0f} | {_fmt(r.get('cut_share'), 2)} | "
                      f"{_fmt(r.get('looped_share'))} | "
                      f"{_fmt(r.get('premise_copy_share'))} | {_fmt(r.get('distinct_2'))} | {_fmt(r.get('refusal_share'))} | "
-                     f"{_fmt(r.get('off_topic_share'))} |" +
+                     f"{_fmt(r.get('conceded_share'))} | {_fmt(r.get('off_topic_share'))} |" +
                      (f" {_fmt(r.get('perplexity'), 1)} | {_fmt(r.get('perplexity_vs_sft'), 2)} |" if fluent else ""))
     lines += sections or []
     if judge_verdict:

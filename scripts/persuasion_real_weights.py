@@ -15,8 +15,8 @@ and among them the highest training-judge reward averaged over base and SFT. `ri
 by how far their own reward rose: the mean of the last quarter of steps minus the first quarter's, in
 units of its standard error (the step-to-step sd), a training signal, never a test score.
 `summary` writes OUT_DIR/persuasion_real_weights.json: `models` (every model of the eval with `n`,
-looped_share, premise_copy_share, distinct_2, refusal_share, reply words, cut_share, and per judge its reward and win rates vs
-the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
+looped_share, premise_copy_share, distinct_2, refusal_share, conceded_share (null for an eval from before it),
+reply words, cut_share, and per judge its reward and win rates vs the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
 pairs beside both baselines), the verdict lines, each GRPO run's reward curve, the rise and its checkpoint
 choice on dev (`on_dev`), `grpo_chosen_on_dev` (the recipe whose chosen step wins most against the start on dev:
 how a sweep of one recipe's beta is decided, never on the test premises), and the plot
@@ -35,7 +35,7 @@ from common.data import read_json, write_json  # noqa: E402
 
 KEYS = ("reward_mean", "win_rate_vs_base", "win_rate_vs_base_ci95", "lc_win_rate_vs_base", "lc_win_rate_vs_base_ci95",
         "win_rate_vs_sft", "win_rate_vs_sft_ci95", "lc_win_rate_vs_sft", "lc_win_rate_vs_sft_ci95")
-SHAPE = ("looped_share", "premise_copy_share", "distinct_2", "refusal_share", "reply_words_mean")
+SHAPE = ("looped_share", "premise_copy_share", "distinct_2", "refusal_share", "conceded_share", "reply_words_mean")
 DECODING = ("temperature", "repetition_penalty", "no_repeat_ngram_size")
 
 
@@ -68,7 +68,7 @@ def decoding(out_dir: Path, items: list[str]) -> str:
     for name, run in _named(items).items():
         results, config = read_json(run / "eval.json"), read_json(run / "manifest.json")["decoding"]
         rows[name] = {"run": run.name, **{k: config[k] for k in DECODING},
-                      **{f"{model}_{k}": results[model][k] for model in ("base", "sft") for k in SHAPE},
+                      **{f"{model}_{k}": results[model].get(k) for model in ("base", "sft") for k in SHAPE},
                       **{f"{model}_reward_mean": results[model]["reward_mean"] for model in ("base", "sft")},
                       "sft_win_rate_vs_base": results["sft"]["win_rate_vs_base"]}
     chosen = _guarded_best(rows, lambda r: max(r["base_looped_share"], r["sft_looped_share"]),
@@ -162,7 +162,7 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
             "best_of_n": manifest.get("best_of_n"), "verdict": metrics.get("verdict"),
             "judges": {name: {"role": j["role"], "family": j.get("family"), **judge_on_test(paths.get(name), j)}
                        for name, j in judges.items()},
-            "models": {m: {"n": results[m]["n"], **{k: results[m][k] for k in SHAPE},
+            "models": {m: {"n": results[m]["n"], **{k: results[m].get(k) for k in SHAPE},
                            "cut_share": results[m].get("cut_share"),  # None: replies from before it was recorded
                            "bleu4": results[m]["bleu4"], "rougeL": results[m]["rougeL"],
                            "by_judge": {j: {k: v for k, v in results[m]["by_judge"][j].items() if k in KEYS}

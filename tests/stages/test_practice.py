@@ -13,7 +13,7 @@ from conftest import run_dir_of, run_stage
 
 from common.best_of_n import keep_best
 from common.data import read_jsonl
-from common.watch import looped, refused, reply_shape
+from common.watch import conceded, looped, refused, reply_shape
 
 
 def test_keep_best_keeps_the_argmax_of_each_premise():
@@ -72,6 +72,17 @@ def test_refusal_share_on_fixed_text():
     assert [refused(t) for t in arguments] == [False] * 4
     shape = reply_shape(["p"] * 4, refusals[:1] + arguments[:3])
     assert shape["refusal_share"] == pytest.approx(1 / 4)
+
+
+def test_conceded_share_on_fixed_text():
+    concessions = ["I agree with your points. Your reasoning is sound.", "You\u2019re right, the cost is real.",
+                   "That's a fair point, but rents still rose.", "I think your critique is spot on.",
+                   "Your points are valid; here is another."]
+    arguments = ["I'm not sure I agree with your reading of the data.", "I don't agree: rents fell where supply rose.",
+                 "Is it right to judge a city by one year?", "The study agreed with neither side.", ""]
+    assert [conceded(t) for t in concessions] == [True] * 5
+    assert [conceded(t) for t in arguments] == [False] * 5
+    assert reply_shape(["p"] * 4, concessions[:1] + arguments[:3])["conceded_share"] == pytest.approx(1 / 4)
 
 
 @pytest.fixture(scope="module")
