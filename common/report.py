@@ -69,7 +69,7 @@ def plot_ratings(out_dir: Path, pairs: dict[str, list[tuple[float, float]]]) -> 
 
 def plot_watch(out_dir: Path, per_step: dict[str, list[dict]]) -> dict:
     """Each GRPO policy's training, step by step: the training judge's mean reward beside the
-    reward-hacking watch (reply words, distinct-2, share of reply 3-grams copied from the premise),
+    reward-hacking watch (reply words, distinct-2, share of reply 3-grams copied from the premise, share that concede),
     from its run's metrics.json `per_step`. Returns {caption: path}, empty without a GRPO policy."""
     per_step = {name: steps for name, steps in per_step.items() if steps}
     if not per_step:
@@ -78,8 +78,9 @@ def plot_watch(out_dir: Path, per_step: dict[str, list[dict]]) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = (("reward_mean", "training judge's reward"), ("reply_words_mean", "reply words"),
-              ("distinct_2", "distinct-2"), ("premise_overlap", "premise 3-grams copied"))
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4), dpi=100)
+              ("distinct_2", "distinct-2"), ("premise_overlap", "premise 3-grams copied"),
+              ("conceded_share", "replies that concede"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), dpi=100)
     for ax, (key, title) in zip(axes, panels):
         for name, steps in per_step.items():
             points = [(s["step"], s[key]) for s in steps if s.get(key) is not None]

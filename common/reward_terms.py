@@ -22,7 +22,7 @@ the weighted sum of the other terms (read from their outputs for this very batch
 own column shows how much it took away.
 
 The reward-hacking watch rides along as zero-weight reward functions (reply words, distinct-2,
-premise overlap: TRL logs each one's mean as rewards/watch_<stat>/mean); common/watch.py's
+premise overlap, the share that concede: TRL logs each one's mean as rewards/watch_<stat>/mean); common/watch.py's
 `WatchCallback` reads those logs and keeps the length guard.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import math
 from common.data import n_words, read_jsonl, write_jsonl
 from common.runs import RunError
 from common.scorers import ScorerError, load_scorer, register
-from common.watch import distinct_n, premise_overlap
+from common.watch import conceded, distinct_n, premise_overlap
 
 log = logging.getLogger("pipeline")
 
@@ -81,7 +81,12 @@ def watch_premise_overlap(prompts, completions, **_) -> list[float]:
     return [premise_overlap(premise_text(p), reply_text(c)) for p, c in zip(prompts, completions)]
 
 
-WATCH = (watch_reply_words, watch_distinct_2, watch_premise_overlap)
+def watch_conceded(prompts, completions, **_) -> list[float]:
+    """1 for a reply that tells the poster they are right (common/watch.py `conceded`): its mean is the batch's share."""
+    return [float(conceded(reply_text(c))) for c in completions]
+
+
+WATCH = (watch_reply_words, watch_distinct_2, watch_premise_overlap, watch_conceded)
 
 
 # --- PAR -----------------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ def hacking_stats(premises: list[str], replies: list[str]) -> dict:
     return {"reply_words": float(np.mean([n_words(r) for r in replies])) if replies else 0.0,
             "distinct_2": distinct_n(replies, 2),
             "premise_overlap": float(np.mean([premise_overlap(p, r) for p, r in zip(premises, replies)]))
-            if replies else 0.0}
+            if replies else 0.0,
+            "conceded": float(np.mean([conceded(r) for r in replies])) if replies else 0.0}
 
 
 WATCH_LOG = "rewards/watch_{}/mean"  # TRL's log column of the watch's zero-weight reward functions
@@ -203,5 +204,6 @@ def watch_per_step(log_history: list[dict], terms: list[str] = ()) -> list[dict]
              "reply_words_mean": h.get(WATCH_LOG.format("reply_words")),
              "distinct_2": h.get(WATCH_LOG.format("distinct_2")),
              "premise_overlap": h.get(WATCH_LOG.format("premise_overlap")),
+             "conceded_share": h.get(WATCH_LOG.format("conceded")),
              **{f"reward/{name}": h.get(f"rewards/{name}/mean") for name in terms}}
             for h in log_history if "reward" in h]

@@ -19,7 +19,8 @@ looped_share, premise_copy_share, distinct_2, refusal_share, conceded_share (nul
 reply words, cut_share, and per judge its reward and win rates vs the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
 pairs beside both baselines), the verdict lines, each GRPO run's reward curve, the rise and its checkpoint
 choice on dev (`on_dev`), `grpo_chosen_on_dev` (the recipe whose chosen step wins most against the start on dev:
-how a sweep of one recipe's beta is decided, never on the test premises), and the plot
+how a sweep of one recipe's beta is decided, never on the test premises) with `grpo_chosen_on_dev_model` (its row in
+the eval) and `grpo_chosen_on_dev_verdict` (that row's verdict line, also printed), and the plot
 persuasion_grpo_rewards.png.
 """
 from __future__ import annotations
@@ -167,12 +168,25 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
                            "bleu4": results[m]["bleu4"], "rougeL": results[m]["rougeL"],
                            "by_judge": {j: {k: v for k, v in results[m]["by_judge"][j].items() if k in KEYS}
                                         for j in judges}} for m in models},
-            "grpo_recipes": curves, "grpo_chosen_on_dev": best_on_dev(curves)}
+            "grpo_recipes": curves, **chosen_on_dev(curves, results, metrics.get("verdict") or [])}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "persuasion_real_weights.json", data)
     plot_rewards(curves, out / "persuasion_grpo_rewards.png")
+    if data["grpo_chosen_on_dev"]:
+        print(f"GRPO recipe chosen on dev: {data['grpo_chosen_on_dev']} (the eval's {data['grpo_chosen_on_dev_model']}); "
+              f"its verdict on test: {data['grpo_chosen_on_dev_verdict'] or 'none'}")
     print(f"summary: {(out / 'persuasion_real_weights.json').resolve()}")
     return data
+
+
+def chosen_on_dev(curves: dict, results: dict, verdict: list[str]) -> dict:
+    """The GRPO recipe chosen on dev (`best_on_dev`), the eval's name for its row and that row's verdict line: the
+    practised policy a researcher may call the result without choosing on the test premises."""
+    name = best_on_dev(curves)
+    model = next((m for m, r in results.items() if name and isinstance(r, dict) and r.get("run") == curves[name]["run"]),
+                 None)
+    line = next((v for v in verdict if model and v.startswith(f"**{model}** ")), None)
+    return {"grpo_chosen_on_dev": name, "grpo_chosen_on_dev_model": model, "grpo_chosen_on_dev_verdict": line}
 
 
 def plot_rewards(curves: dict, path: Path) -> None:

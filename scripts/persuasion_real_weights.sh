@@ -16,9 +16,10 @@
 # on dev_later of each of the OTHER_FAMILIES (default 2) best other families (scripts/judges_later_posts.py
 # families): 05's verdict needs two families. FLUENCY_MODEL (a causal LM, best of another family than the
 # writer): 05 checks every reply's fluency under it, and the GRPO recipe par_fluency_gate runs: the judge
-# as PAR, replies below SFT's fluency gated to 0, a KL anchor to SFT (GATE_BETA, default 0.04), a checkpoint every
-# CHECKPOINT_EVAL_STEPS (default 4) steps chosen on dev by the best
-# judges of the other families and the fluency check. DECODING: the decoding's arguments, chosen on dev
+# as PAR, replies below SFT's fluency gated to 0, a KL anchor to SFT (GATE_BETA, default 0.04); every GRPO recipe
+# then saves a checkpoint every CHECKPOINT_EVAL_STEPS (default 4) steps and keeps the one chosen on dev by the best
+# judges of the other families and the fluency check, and the summary names the recipe chosen on dev among them
+# (grpo_chosen_on_dev, its eval row and verdict line). DECODING: the decoding's arguments, chosen on dev
 # earlier (skips the sweep). FROM_BASE=0 skips GRPO from the base; PREFERENCE=0 DPO and ORPO; CROSSFIT=0 the
 # cross-fit. SFT_RUN: a finished SFT run to start from; SFT_ARGS: more arguments for SFT. RESUME=1 (scripts/demo_lib.sh) goes
 # on from a chain that stopped: every finished stage is taken as it is. MAX_JOBS: stages at once.
@@ -177,6 +178,10 @@ echo "decoding (chosen on dev): $decoding" >&2
 #    GRPO_ONLY (names of GRPO_RECIPES) runs a subset: a larger writer on one GPU has time for fewer.
 for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   args=${GRPO_RECIPES[$name]}
+  # With a fluency model every recipe keeps the step chosen on dev, so that the summary's choice among the recipes
+  # (grpo_chosen_on_dev) compares them all alike, not the gated ones alone.
+  [[ -n $FLUENCY_MODEL && $args != *--checkpoint_eval_steps* ]] && \
+    args+=" --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
   # its checkpoints' dev replies decoded as the eval will decode the kept one: the decoding chosen on dev
   [[ $args == *--checkpoint_eval_steps* ]] && args+=" --dev_judges ${DEV_JUDGE:-judge} ${decoding//--/--checkpoint_}"
   # shellcheck disable=SC2086

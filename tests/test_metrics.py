@@ -74,7 +74,9 @@ def test_watch_statistics():
     assert premise_overlap(premise, premise) == 1.0                   # an echo
     assert premise_overlap(premise, "I disagree, freedom of expression matters more") == 0.0
     stats = hacking_stats([premise, premise], ["one two three", "four five six seven eight"])
-    assert stats["reply_words"] == 4.0 and set(stats) == {"reply_words", "distinct_2", "premise_overlap"}
+    assert stats["reply_words"] == 4.0 and set(stats) == {"reply_words", "distinct_2", "premise_overlap", "conceded"}
+    assert stats["conceded"] == 0.0
+    assert hacking_stats([premise, premise], ["You're right.", "I disagree."])["conceded"] == 0.5
 
 
 # --- ratings (review) --------------------------------------------------------------------------------

@@ -111,6 +111,7 @@ def test_a_reward_added_as_a_function_and_two_yaml_lines_drives_grpo(grpo_with_t
         assert step["reward_mean"] == pytest.approx(step["reward/judge"] + 0.5 * step["reward/par"] + 0.1 *
                                                     step["reward/fluency"] + 0.5 * step["reward/shorter"], abs=1e-3)
         assert step["distinct_2"] is not None and step["premise_overlap"] is not None
+        assert 0 <= step["conceded_share"] <= 1  # the watch's share that concede, logged by TRL at weight 0
     assert any("kl" in h for h in metrics["log_history"])  # beta > 0: TRL's KL to the start, static rollouts
     # steps_per_generation at TRL's default: a generation batch a step, each step on the policy that sampled it
     assert metrics["rollouts"]["generation_batches"] == 2 and metrics["rollouts"]["steps_per_generation"] == 1

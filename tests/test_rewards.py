@@ -147,9 +147,9 @@ def test_watch_logs_every_batch_and_the_guard_needs_patience():
     assert [h["reply_words"] for h in watch.history] == [10, 12, 25, 8, 30, 31]
     # the statistics it reads are TRL's means of the watch's zero-weight reward functions
     prompts = [[{"role": "user", "content": "premise words here"}]] * 2
-    replies = [[{"role": "assistant", "content": "w w w"}], [{"role": "assistant", "content": "premise words here"}]]
-    assert [f(prompts, replies) for f in WATCH] == [[3.0, 3.0], [distinct_n(["w w w", "premise words here"])] * 2,
-                                                    [0.0, 1.0]]
+    replies = [[{"role": "assistant", "content": "w w w"}], [{"role": "assistant", "content": "You're right: premise words here"}]]
+    assert [f(prompts, replies) for f in WATCH] == [[3.0, 5.0], [distinct_n(["w w w", "You're right: premise words here"])] * 2,
+                                                    [0.0, pytest.approx(1 / 3)], [0.0, 1.0]]
 
 
 def test_guard_off_never_trips():

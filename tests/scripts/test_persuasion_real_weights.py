@@ -72,8 +72,16 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     swept = summary["grpo_recipes"]["par_fluency_gate_beta0.05"]
     assert "beta: 0.05" in (tmp_path / swept["run"] / "config.yaml").read_text().splitlines()
     on_dev = {n: c["on_dev"]["win_rate_vs_start"] for n, c in summary["grpo_recipes"].items() if c["on_dev"]}
-    assert set(on_dev) == {"par_fluency_gate", "par_fluency_gate_beta0.05"}  # lr1e-4 chooses no checkpoint
-    assert summary["grpo_chosen_on_dev"] == max(on_dev, key=on_dev.get)
+    # with a fluency model every recipe keeps its dev-chosen step (the plain lr1e-4 too), so all are compared
+    assert set(on_dev) == {"lr1e-4", "par_fluency_gate", "par_fluency_gate_beta0.05"}
+    chosen = summary["grpo_chosen_on_dev"]
+    assert on_dev[chosen] == max(on_dev.values())
+    # the eval's row of that recipe, and its verdict line, named in the summary and printed
+    row = summary["grpo_chosen_on_dev_model"]
+    evaluated = json.loads((tmp_path / summary["eval_run"] / "eval.json").read_text())
+    assert evaluated[row]["run"] == summary["grpo_recipes"][chosen]["run"]
+    assert summary["grpo_chosen_on_dev_verdict"].startswith(f"**{row}** vs sft: ")
+    assert f"GRPO recipe chosen on dev: {chosen} (the eval's {row}); its verdict on test: **{row}**" in text
     assert all(c["rewards"] for c in summary["grpo_recipes"].values())
     for recipe in summary["grpo_recipes"].values():  # practice against the gated judge, as its manifest says
         terms = json.loads((tmp_path / recipe["run"] / "manifest.json").read_text())["reward_terms"]
