@@ -16,10 +16,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 from transformers import TrainerCallback
 
-from common.data import n_words, write_json
+from common.data import write_json
 
 log = logging.getLogger("pipeline")
 
@@ -120,15 +119,6 @@ def off_topic_shares(premises: list[str], references: list[list[str]], replies: 
     topic = Topic.fit([p for p, refs in zip(premises, references) for _ in refs], [r for refs in references for r in refs])
     return {name: float((topic.cosines(premises, texts) < topic.floor).sum()) / max(1, len(texts))
             for name, texts in replies.items()}
-
-
-def hacking_stats(premises: list[str], replies: list[str]) -> dict:
-    """What the watch logs for one batch of completions."""
-    return {"reply_words": float(np.mean([n_words(r) for r in replies])) if replies else 0.0,
-            "distinct_2": distinct_n(replies, 2),
-            "premise_overlap": float(np.mean([premise_overlap(p, r) for p, r in zip(premises, replies)]))
-            if replies else 0.0,
-            "conceded": float(np.mean([conceded(r) for r in replies])) if replies else 0.0}
 
 
 WATCH_LOG = "rewards/watch_{}/mean"  # TRL's log column of the watch's zero-weight reward functions

@@ -8,7 +8,7 @@ import pytest
 
 from common.metrics import baseline_constant, baseline_human, length_controlled_win_rate, rating_metrics, win_rate
 from common.report import plot_distributions, write_report
-from common.watch import distinct_n, hacking_stats, premise_overlap
+from common.watch import distinct_n, premise_overlap
 
 
 def _premises(n):
@@ -73,10 +73,6 @@ def test_watch_statistics():
     premise = "school uniforms should be mandatory because they reduce bullying"
     assert premise_overlap(premise, premise) == 1.0                   # an echo
     assert premise_overlap(premise, "I disagree, freedom of expression matters more") == 0.0
-    stats = hacking_stats([premise, premise], ["one two three", "four five six seven eight"])
-    assert stats["reply_words"] == 4.0 and set(stats) == {"reply_words", "distinct_2", "premise_overlap", "conceded"}
-    assert stats["conceded"] == 0.0
-    assert hacking_stats([premise, premise], ["You're right.", "I disagree."])["conceded"] == 0.5
 
 
 # --- ratings (review) --------------------------------------------------------------------------------
