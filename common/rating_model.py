@@ -266,6 +266,8 @@ class BagOfWords:
         self.models = {alpha: Ridge(alpha=alpha).fit(x, y) for alpha in alphas}
 
     def predict(self, rows: list[dict], alpha: float) -> list[float]:
+        if not rows:  # 05 without --rating_dev_run has no dev papers to rate (sklearn refuses an empty matrix)
+            return []
         return self.models[alpha].predict(self.vectorizer.transform([self.read(r) for r in rows])).tolist()
 
     @classmethod

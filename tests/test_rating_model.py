@@ -256,6 +256,11 @@ def test_stage_05_reports_every_rating_source(runs):
     for name in sources:
         assert (evalrun / f"rating_{name}_scatter.png").is_file()
     assert "## Every rating source" in (evalrun / "report.md").read_text()
+    # without a dev run: every source but the blend, which needs the dev papers
+    alone = run_dir_of(run_stage("05_eval.py", *common, "--max_premises", "3", "--rating_run", rating))
+    sources = json.loads((alone / "eval.json").read_text())["rating_sources"]
+    assert {"rating_model", "bag_of_words"} <= set(sources) and not any(name.endswith("_blend") for name in sources)
+    assert sources["bag_of_words"]["n"] == 3
     # a test-split run is no dev run for the blend: one error line, before anything is generated
     bad = run_stage("05_eval.py", *common, "--max_premises", "3", "--rating_dev_run", evalrun, check=False)
     assert bad.returncode != 0 and "the blend is fitted on the dev papers" in bad.stderr
