@@ -69,8 +69,8 @@ def plot_ratings(out_dir: Path, pairs: dict[str, list[tuple[float, float]]]) -> 
 
 def plot_watch(out_dir: Path, per_step: dict[str, list[dict]]) -> dict:
     """Each GRPO policy's training, step by step: the training judge's mean reward beside the
-    reward-hacking watch (reply words, distinct-2, share of reply 3-grams copied from the premise, share that concede),
-    from its run's metrics.json `per_step`. Returns {caption: path}, empty without a GRPO policy."""
+    reward-hacking watch (reply words, distinct-2, share of reply 3-grams copied from the premise, share that
+    concede), from its run's metrics.json `per_step`. Returns {caption: path}, empty without a GRPO policy."""
     per_step = {name: steps for name, steps in per_step.items() if steps}
     if not per_step:
         return {}
@@ -200,8 +200,9 @@ def write_report(path: Path, run_name: str, results: dict, premises: list[dict],
               "*copied*: the share of a reply's "
               f"word 3-grams found in its {nouns['premise']} (mean over replies); distinct-2 over all replies; "
               "*refused*: the share of replies that decline (\"I'm sorry, but I can't\", \"As an AI\", ...: "
-              "common/watch.py REFUSAL_PATTERNS); *conceded*: the share that tell the poster they are right (\"I agree\", "
-              "\"you're right\", \"valid point\", ...: CONCESSION_PATTERNS); *off-topic*: the share of replies less related to their "
+              "common/watch.py REFUSAL_PATTERNS); *conceded*: the share that tell the poster they are right "
+              "(\"I agree\", \"you're right\", \"valid point\", ...: CONCESSION_PATTERNS); *off-topic*: the share "
+              "of replies less related to their "
               f"{nouns['premise']} (tf-idf cosine) than 90% of the {nouns['references']} are (about 0.10 for "
               "those by construction)."]
     lines += ["", f"| model |{judge_head} BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L | words (mean) | cut | looped | copied | "

@@ -22,8 +22,8 @@ the weighted sum of the other terms (read from their outputs for this very batch
 own column shows how much it took away.
 
 The reward-hacking watch rides along as zero-weight reward functions (reply words, distinct-2,
-premise overlap, the share that concede: TRL logs each one's mean as rewards/watch_<stat>/mean); common/watch.py's
-`WatchCallback` reads those logs and keeps the length guard.
+premise overlap, the share that concede: TRL logs each one's mean as rewards/watch_<stat>/mean);
+common/watch.py's `WatchCallback` reads those logs and keeps the length guard.
 """
 from __future__ import annotations
 

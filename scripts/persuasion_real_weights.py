@@ -16,12 +16,12 @@ by how far their own reward rose: the mean of the last quarter of steps minus th
 units of its standard error (the step-to-step sd), a training signal, never a test score.
 `summary` writes OUT_DIR/persuasion_real_weights.json: `models` (every model of the eval with `n`,
 looped_share, premise_copy_share, distinct_2, refusal_share, conceded_share (null for an eval from before it),
-reply words, cut_share, and per judge its reward and win rates vs the base and vs SFT with 95% intervals), `judges` (each with its `role` and its accuracy on the test
-pairs beside both baselines), the verdict lines, each GRPO run's reward curve, the rise and its checkpoint
-choice on dev (`on_dev`), `grpo_chosen_on_dev` (the recipe whose chosen step wins most against the start on dev:
-how a sweep of one recipe's beta is decided, never on the test premises) with `grpo_chosen_on_dev_model` (its row in
-the eval) and `grpo_chosen_on_dev_verdict` (that row's verdict line, also printed), and the plot
-persuasion_grpo_rewards.png.
+reply words, cut_share, and per judge its reward and win rates vs the base and vs SFT with 95% intervals),
+`judges` (each with its `role` and its accuracy on the test pairs beside both baselines), the verdict lines,
+each GRPO run's reward curve, the rise and its checkpoint choice on dev (`on_dev`), `grpo_chosen_on_dev` (the
+recipe whose chosen step wins most against the start on dev: how a sweep of one recipe's beta is decided, never on
+the test premises) with `grpo_chosen_on_dev_model` (its row in the eval) and `grpo_chosen_on_dev_verdict` (that
+row's verdict line, also printed), and the plot persuasion_grpo_rewards.png.
 """
 from __future__ import annotations
 
