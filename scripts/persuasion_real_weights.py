@@ -21,7 +21,8 @@ reply words, cut_share, and per judge its reward and win rates vs the base and v
 each GRPO run's reward curve, the rise and its checkpoint choice on dev (`on_dev`), `grpo_chosen_on_dev` (the
 recipe whose chosen step wins most against the start on dev: how a sweep of one recipe's beta is decided, never on
 the test premises) with `grpo_chosen_on_dev_model` (its row in the eval) and `grpo_chosen_on_dev_verdict` (that
-row's verdict line, also printed), and the plot persuasion_grpo_rewards.png.
+row's verdict line, also printed), and the plot persuasion_grpo_rewards.png. It prints each model's verdict,
+without the judges' figures, for the chain's log.
 """
 from __future__ import annotations
 
@@ -172,6 +173,10 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "persuasion_real_weights.json", data)
     plot_rewards(curves, out / "persuasion_grpo_rewards.png")
+    # the verdict in the chain's own log (a Slurm job's output), each model's line without the judges' figures
+    for line in data["verdict"] or []:
+        if line.startswith("**"):
+            print("verdict: " + line.split(". Held-out judges: ")[0].replace("**", ""))
     if data["grpo_chosen_on_dev"]:
         print(f"GRPO recipe chosen on dev: {data['grpo_chosen_on_dev']} (the eval's {data['grpo_chosen_on_dev_model']}); "
               f"its verdict on test: {data['grpo_chosen_on_dev_verdict'] or 'none'}")

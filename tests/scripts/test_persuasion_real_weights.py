@@ -91,6 +91,8 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
     assert gated["checkpoint_choice"]["chosen_step"] in [c["step"] for c in gated["checkpoint_choice"]["curve"]]
     per_model = [line for line in summary["verdict"] if line.startswith("**") and line[2:].split("**")[0] in models]
     assert len(per_model) == len(models) - 1  # every model but the base; then the family and fluency lines
+    for line in per_model:  # each in the chain's log too, without the judges' figures
+        assert f"verdict: {line.split('. Held-out judges: ')[0].replace('**', '')}\n" in text
     assert any(line.startswith("Fluency: each reply's mean token log-probability") for line in summary["verdict"])
     sweep = json.loads((tmp_path / "summary" / "persuasion_decoding_sweep.json").read_text())
     assert sweep["split"] == "dev" and sweep["chosen"] in sweep["decodings"] and len(sweep["decodings"]) == 5
