@@ -31,7 +31,8 @@
 # SMOL, ENCODER_JUDGE, DECODER_JUDGE, CANDIDATES_FILE: as scripts/judges_later_posts.sh; GRPO_ONLY: the GRPO recipes
 # to run (default all); GRPO_ARGS: more arguments for every GRPO run (e.g.
 # --max_prompts 256); BEST_OF_N (default 4); MAX_PREMISES (default 1000: every one) of dev and test; SUMMARY_DIR (default RUNS_DIR); LOGS (default
-# RUNS_DIR/logs): one log a stage. Prints the report's and the summary's paths.
+# RUNS_DIR/logs): one log a stage. Prints each model's verdict, the GRPO recipe chosen on dev, and the report's and
+# the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu}
 PAIRS_CONFIG=${PAIRS_CONFIG:-configs/smol/01_build_pairs.yaml}
