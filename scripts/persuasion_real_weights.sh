@@ -70,8 +70,7 @@ for k in $CHECKPOINT_EVAL_STEPS ${GRPO_SPG:-}; do
 for w in ${DECODING:-}; do  # GRPO's checkpoint choice takes the same three fields (--checkpoint_<field>)
   [[ $w != --* || $w =~ ^--(temperature|repetition_penalty|no_repeat_ngram_size)$ ]] || { echo "error: DECODING:" \
     "'$w' is none of --temperature, --repetition_penalty, --no_repeat_ngram_size" >&2; exit 1; }; done
-gate="--learning_rate 1e-4 --reward_funcs par fluency --reward_weights 1 1 --fluency_mode gate \
-  --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
+gate="--learning_rate 1e-4 --reward_funcs par fluency --reward_weights 1 1 --fluency_mode gate"  # + the loop's fluency model
 [[ -n $FLUENCY_MODEL ]] && GRPO_RECIPES[par_fluency_gate]="$gate --beta ${GATE_BETA:-0.04}"
 # GRPO_BETAS: that recipe at other strengths, one more recipe a value (par_fluency_gate_betaB), chosen among on
 # dev by the summary (grpo_chosen_on_dev: the recipe whose chosen checkpoint wins most against SFT's replies)
@@ -179,12 +178,13 @@ echo "decoding (chosen on dev): $decoding" >&2
 #    GRPO_ONLY (names of GRPO_RECIPES) runs a subset: a larger writer on one GPU has time for fewer.
 for name in ${GRPO_ONLY:-"${!GRPO_RECIPES[@]}"}; do
   args=${GRPO_RECIPES[$name]}
-  # With a fluency model every recipe keeps the step chosen on dev, so that the summary's choice among the recipes
-  # (grpo_chosen_on_dev) compares them all alike, not the gated ones alone.
-  [[ -n $FLUENCY_MODEL && $args != *--checkpoint_eval_steps* ]] && \
+  # With a fluency model (the gated recipes' fluency term reads it too) every recipe keeps the step chosen on dev,
+  # so that the summary's choice among the recipes (grpo_chosen_on_dev) compares them all alike; its checkpoints'
+  # dev replies are decoded as the eval will decode the kept one (the decoding chosen on dev).
+  if [[ -n $FLUENCY_MODEL ]]; then
     args+=" --fluency_model_name_or_path $FLUENCY_MODEL --checkpoint_eval_steps $CHECKPOINT_EVAL_STEPS"
-  # its checkpoints' dev replies decoded as the eval will decode the kept one: the decoding chosen on dev
-  [[ $args == *--checkpoint_eval_steps* ]] && args+=" --dev_judges ${DEV_JUDGE:-judge} ${decoding//--/--checkpoint_}"
+    args+=" --dev_judges ${DEV_JUDGE:-judge} ${decoding//--/--checkpoint_}"
+  fi
   # shellcheck disable=SC2086
   background "grpo_$name" 04_train_grpo.py --config "$RECIPE/04_train_grpo.yaml" --sft_run "$sft" \
     --reward_run "$judge" $args $GRPO_ARGS --run_name "GRPO_$name"
