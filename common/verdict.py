@@ -179,6 +179,14 @@ def weak_witnesses(seen: dict, judges: dict) -> list[str]:
     return out
 
 
+def verdict_head(model: str, v: dict) -> str:
+    """A model's verdict in a line, without the judges' figures: whether its gain holds, which check failed, and
+    the caveats of a gain that holds."""
+    head = f"**{model}** vs {v['reference']}: " + ("holds" if v["holds"] else "rejected: " + "; ".join(
+        reason.removeprefix("judges: ") for reason in v["reasons"]))
+    return head + (", but " + "; ".join(v["caveats"]) if v.get("caveats") else "")
+
+
 def verdict_lines(results: dict, judges: dict, verdicts: dict) -> list[str]:
     """report.md's first lines: per model, whether its gain holds, and if not, which check failed; then
     each held-out judge's win rates. Without a held-out judge, one line says a gain under the training
@@ -186,10 +194,7 @@ def verdict_lines(results: dict, judges: dict, verdicts: dict) -> list[str]:
     held_out = [n for n, j in judges.items() if j["role"] == "held_out"]
     lines = []
     for model, v in verdicts.items():
-        head = f"**{model}** vs {v['reference']}: " + ("holds" if v["holds"] else "rejected: " + "; ".join(
-            reason.removeprefix("judges: ") for reason in v["reasons"]))
-        if v.get("caveats"):
-            head += ", but " + "; ".join(v["caveats"])
+        head = verdict_head(model, v)
         parts = []
         for name in held_out:
             scored = results[model]["by_judge"].get(name, {})

@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.data import read_json, write_json  # noqa: E402
+from common.verdict import verdict_head  # noqa: E402
 
 KEYS = ("reward_mean", "win_rate_vs_base", "win_rate_vs_base_ci95", "lc_win_rate_vs_base", "lc_win_rate_vs_base_ci95",
         "win_rate_vs_sft", "win_rate_vs_sft_ci95", "lc_win_rate_vs_sft", "lc_win_rate_vs_sft_ci95")
@@ -174,9 +175,9 @@ def summary(eval_run: Path, out: Path, grpo_items: list[str]) -> dict:
     write_json(out / "persuasion_real_weights.json", data)
     plot_rewards(curves, out / "persuasion_grpo_rewards.png")
     # the verdict in the chain's own log (a Slurm job's output), each model's line without the judges' figures
-    for line in data["verdict"] or []:
-        if line.startswith("**"):
-            print("verdict: " + line.split(". Held-out judges: ")[0].replace("**", ""))
+    for model, r in results.items():
+        if isinstance(r, dict) and r.get("verdict"):
+            print("verdict: " + verdict_head(model, r["verdict"]).replace("**", ""))
     if data["grpo_chosen_on_dev"]:
         print(f"GRPO recipe chosen on dev: {data['grpo_chosen_on_dev']} (the eval's {data['grpo_chosen_on_dev_model']}); "
               f"its verdict on test: {data['grpo_chosen_on_dev_verdict'] or 'none'}")
