@@ -3,10 +3,11 @@
     python scripts/review_real_weights.py pick EVAL_RUN ...     # the dev runs, one per decoding
     python scripts/review_real_weights.py summary EVAL_RUN OUT_DIR --sweep EVAL_RUN ...
 
-`pick` reads the dev-split eval runs of the SFT model, one per decoding, and prints two lines: the
+`pick` reads the dev-split eval runs of the SFT model, one per decoding, and prints three lines: the
 decoding flags of the run with the highest format compliance (ties: the lower rating MAE over all
 papers), then `--reading first_window|all_windows`, whichever read-out had the lower MAE on every dev
-paper in that run. Only dev papers are read: the test split is scored once, after the choice.
+paper in that run, then that run's path. Only dev papers are read: the test split is scored once, after the
+choice.
 
 `summary` writes OUT_DIR/review_real_weights.json (the test table: per model its overlap and rating
 metrics with intervals and `n`, the baselines, the dev sweep, each preference run's curves and last
@@ -128,6 +129,7 @@ def main(argv=None) -> None:
         best, reading = pick(args.runs)
         print(" ".join(f"--{k} {best[k]}" for k in DECODING_FIELDS))
         print(f"--reading {reading}")
+        print(next(run for run in args.runs if run.name == best["run"]))
     else:
         summary(args.eval_run, args.out, args.sweep)
 

@@ -11,11 +11,12 @@
 # EVAL_FLAGS: more flags for every stage-05 run; PAIRS_RUN, SFT_RUN: finished runs to start from instead
 # of running 01 and 02; RATING_CONFIGS: the rating-model recipes trained by stage 03 (default the recipe's
 # 03_train_rating*.yaml; empty: none), the one of lowest dev MAE rating every test paper beside the
-# reviews' own ratings, with a dev eval of SFT at the picked decoding to fit the blend (docs/review.md,
-# "Every rating source"). The rating models train in the background beside SFT and the stages after it, which
-# they do not need; DPO, ORPO and the blend's dev eval run at once after the pick (every background stage's log in
-# LOGS, default RUNS_DIR/logs; MAX_JOBS: stages at once). PREFERENCE=0 skips both DPOs and ORPO (a chain that
-# measures the ratings alone). Prints the report's and the summary's paths.
+# reviews' own ratings, with a dev eval of SFT at the picked decoding and reading to fit the blend (docs/review.md,
+# "Every rating source"; where the pick reads all windows, the sweep's run is that eval). The rating models train
+# in the background beside SFT and the stages after it, which they do not need; DPO, ORPO and the blend's dev eval
+# run at once after the pick (every background stage's log in LOGS, default RUNS_DIR/logs; MAX_JOBS: stages at
+# once). PREFERENCE=0 skips both DPOs and ORPO (a chain that measures the ratings alone). Prints the report's and
+# the summary's paths.
 source "$(dirname "$0")/demo_lib.sh"
 RECIPE=${RECIPE:-configs/smol-gpu/review}
 SUMMARY_DIR=${SUMMARY_DIR:-$RUNS_DIR}
@@ -49,6 +50,7 @@ done
 picked=$("$PY" scripts/review_real_weights.py pick "${sweep[@]}")
 decoding=$(sed -n 1p <<<"$picked")
 reading=$(sed -n 2p <<<"$picked")
+picked_run=$(sed -n 3p <<<"$picked")
 echo "picked on the dev papers: $decoding $reading" >&2
 
 # DPO with base-written and with SFT-written rejected reviews, ORPO, and (with rating models) SFT's dev reviews
@@ -64,10 +66,15 @@ if [[ ${PREFERENCE:-1} == 1 ]]; then
   background orpo 04_train_dpo.py --config "$RECIPE/04_train_dpo.yaml" --sft_run "$sft" --rejected_from sft \
     --loss orpo $decoding
 fi
+dev_eval=
 if (( ${#RATING_CONFIGS[@]} )); then
-  # shellcheck disable=SC2086
-  background dev_eval 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" --split dev \
-    --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}"
+  if [[ $reading == "--reading all_windows" ]]; then
+    dev_eval=$picked_run  # the sweep read all windows at every decoding: its run at the picked one is this eval
+  else
+    # shellcheck disable=SC2086
+    background dev_eval 05_eval.py --config "$RECIPE/05_eval.yaml" --pairs_run "$pairs" --sft_run "$sft" \
+      --split dev --evaluate_base false $decoding $reading "${EVAL_FLAGS[@]}"
+  fi
 fi
 wait_for_all
 policies=() policy_flags=()
@@ -86,7 +93,7 @@ if (( ${#RATING_CONFIGS[@]} )); then
   rating=$("$PY" -c 'import json, sys
 print(min(sys.argv[1:], key=lambda run: json.load(open(run + "/metrics.json"))["rating_mae"]))' "${ratings[@]}")
   echo "rating model picked on the dev papers: $rating" >&2
-  dev_eval=$(cat "$LOGS/dev_eval.dir")
+  [[ -n $dev_eval ]] || dev_eval=$(cat "$LOGS/dev_eval.dir")
   rating_flags=(--rating_run "$rating" --rating_dev_run "$dev_eval" --rerank_by_rating "${RERANK_N:-4}")
 fi
 
