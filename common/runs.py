@@ -37,6 +37,10 @@ INPUT_STAGES = {"pairs_run": ("Pairs",), "sft_run": ("SFT",), "reward_run": ("Re
 # Inputs that may descend from another pairs run (same task, same base): 05's other judges, e.g. one
 # trained on other posts. What keeps their scores honest is 05's check of their training posts.
 OWN_LINEAGE = ("judge_runs", "crossfit_judge_runs")
+# Inputs loaded on their own base, not on this stage's: a rating model is a predictor of the paper's rating read
+# from its own run (RatingModel.from_run), so a review writer may take one of another family (SmolLM2's beside
+# Qwen's writer), as review_real_weights.sh's dev pick among RATING_CONFIGS may choose.
+OWN_BASE = ("rating_run",)
 
 
 class RunError(RuntimeError):
@@ -187,6 +191,8 @@ class Run:
         else:
             record = {"path": str(path.resolve()), "stage": manifest.get("stage"), "run_name": manifest.get("run_name"),
                       "sha256": provenance.digest_of(manifest["_digests"])}
+            if name in OWN_BASE:  # not this run's base: which one it was is kept beside it
+                record["base"] = manifest.get("base")
         before = self.manifest["inputs"].get(name)
         if self.config.resume and before and before.get("sha256") != record["sha256"]:
             # a segment on other data would leave a run that no single input describes
@@ -334,8 +340,8 @@ def _unchanged_artifacts(run_dir: Path, manifest: dict) -> dict:
 def _lock_base(inputs: dict, fingerprint: dict) -> None:
     """The base lock: every input model run must have been built on exactly this base."""
     for name, manifest in inputs.items():
-        if manifest is None or manifest.get("stage") == "Pairs":
-            continue  # data files and pairs runs use no model
+        if manifest is None or manifest.get("stage") == "Pairs" or name in OWN_BASE:
+            continue  # data files and pairs runs use no model; OWN_BASE inputs load their own
         theirs = manifest.get("base")
         if theirs is None:
             raise RunError(f"input '{name}' ({manifest.get('run_name')}) records no base model in its "

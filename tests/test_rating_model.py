@@ -298,6 +298,22 @@ def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
 
 
 @pytest.mark.stage
+def test_stage_05_takes_a_rating_model_of_another_family(runs, tmp_path):
+    """A writer and its rating model need not share a base (the qwen-gpu chain may keep SmolLM2's rating model
+    beside the Qwen writer, where dev prefers it): 05 loads the rating model on its own base and records which."""
+    from conftest import tiny_arch
+    out, pairs, _ = runs
+    rating = run_dir_of(run_stage("03_train_reward.py", "--config", f"{TINY}/03_train_rating.yaml", "--pairs_run", pairs,
+                                  "--runs_dir", out, "--model_name_or_path", tiny_arch(tmp_path, "qwen2")))
+    evalrun = run_dir_of(run_stage("05_eval.py", "--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--runs_dir",
+                                   out, "--max_new_tokens", "8", "--max_premises", "2", "--rating_run", rating))
+    manifest = json.loads((evalrun / "manifest.json").read_text())
+    theirs = json.loads((rating / "manifest.json").read_text())["base"]
+    assert manifest["inputs"]["rating_run"]["base"] == theirs and theirs != manifest["base"]
+    assert json.loads((evalrun / "eval.json").read_text())["rating_sources"]["rating_model"]["n"] == 2
+
+
+@pytest.mark.stage
 @pytest.mark.parametrize("variant", [["--config", f"{TINY}/03_train_rating_minilm.yaml"],
                                      ["--config", f"{TINY}/03_train_rating.yaml", "--rating_pooling", "attention"]],
                          ids=["minilm_encoder", "attention_pooling"])

@@ -178,6 +178,24 @@ def test_another_judge_may_come_from_another_pairs_run_but_not_another_task_or_b
 
 
 @pytest.mark.stage
+def test_a_rating_model_of_another_base_is_taken_but_not_an_sft_run_of_one(tmp_path):
+    # A rating model loads on its own base (SmolLM2's beside a Qwen writer); the writer's runs share one.
+    pairs = _finished(tmp_path / "P", "Pairs", task="review", artifacts={"test.jsonl": "{}\n"})
+    sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=BASE, task="review", artifacts={"adapter/a": "s"})
+    other = {**BASE, "model": "another family"}
+    rating = _finished(tmp_path / "R", "Reward", pairs_run=pairs, base=other, task="review", artifacts={"adapter/a": "r"})
+    config, _ = parse_config(EvalConfig, ["--config", "configs/tiny/review/05_eval.yaml", "--pairs_run", str(pairs),
+                                          "--runs_dir", str(tmp_path / "runs")])
+    run = Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": sft, "rating_run": rating},
+              argv=["test"], base=BASE)
+    assert run.manifest["inputs"]["rating_run"]["base"] == other  # recorded as it is
+    sft_other = _finished(tmp_path / "S2", "SFT", pairs_run=pairs, base=other, task="review", artifacts={"adapter/a": "t"})
+    with pytest.raises(RunError, match="base mismatch with input 'sft_run'.*'model'"):
+        Run("Eval", config, {}, inputs={"pairs_run": pairs, "sft_run": sft_other, "rating_run": rating},
+            argv=["test"], base=BASE)
+
+
+@pytest.mark.stage
 def test_base_lock_refuses_a_model_run_without_a_base(tmp_path):
     pairs = _finished(tmp_path / "P", "Pairs", artifacts={"train.jsonl": "{}\n"})
     sft = _finished(tmp_path / "S", "SFT", pairs_run=pairs, base=None, artifacts={"adapter/a": "x"})
