@@ -221,6 +221,17 @@ def test_a_source_that_hardly_varies_on_dev_is_left_out_of_the_blend():
     assert fitted["intercept"] == pytest.approx(alone["intercept"]) and alone["flat"] == {}
 
 
+def test_the_report_names_a_source_left_out_of_the_blend():
+    from common.rating_sources import table_rows
+    rng = np.random.default_rng(0)
+    gold = 4 + rng.normal(0, 0.5, 40)
+    blend = fit_blend({"sft_rating": list(gold + rng.normal(0, 0.3, 40)), "rating_model": [4.2] * 40}, list(gold))
+    row = {"rating_mae": 0.4, "n": 40, "blend": blend}
+    line = [r for r in table_rows({"sft_blend": row}) if r.startswith("\nsft_blend =")]
+    assert len(line) == 1 and "x sft_rating" in line[0] and "x rating_model" not in line[0]
+    assert "rating_model left out, sd 0.000 on dev" in line[0]
+
+
 def test_a_blend_with_fewer_dev_papers_than_weights_is_refused():
     from common.runs import RunError
     with pytest.raises(RunError, match="3 weights but only 1 dev papers"):
@@ -277,6 +288,22 @@ def test_rerank_keeps_the_review_whose_rating_is_nearest_the_rating_models():
     assert rerank_by_rating(["a", "b"], 2, [4.0])[0] == ["a"]  # none writes a rating: the first
 
 
+def test_the_rerank_reports_how_far_its_written_rating_follows_the_rating_model():
+    from common.rating_sources import agreement_rows, rerank_agreement
+    info = [{"candidate_ratings": [3.0, 5.0], "kept": 0, "rating_model": 3.2},   # kept 3.0, gap 0.2
+            {"candidate_ratings": [4.0, 4.0], "kept": 1, "rating_model": 4.0},   # kept 4.0, gap 0
+            {"candidate_ratings": [None, 6.0], "kept": 1, "rating_model": 5.0},  # kept 6.0, gap 1; one candidate
+            {"candidate_ratings": [None, None], "kept": 0, "rating_model": 4.5}]  # none written: kept out, counted
+    a = rerank_agreement(info)
+    assert a["n"] == 3 and a["n_without_rating"] == 1 and a["mean_abs_gap"] == pytest.approx(0.4)
+    assert a["pearson_with_rating_model"] == pytest.approx(np.corrcoef([3, 4, 6], [3.2, 4, 5])[0, 1])
+    assert a["candidates_sd_within_paper"] == pytest.approx(0.5)  # papers with two written: sd 1 and 0
+    assert a["rating_model_sd"] == pytest.approx(np.std([3.2, 4.0, 5.0, 4.5]))
+    assert "Pearson 0.99, mean gap 0.40" in agreement_rows(a)[1]
+    flat = rerank_agreement([{**row, "rating_model": 4.0} for row in info])  # a rating model that never varies
+    assert flat["pearson_with_rating_model"] is None and "Pearson n/a" in agreement_rows(flat)[1]
+
+
 @pytest.mark.stage
 def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     out, pairs, rating = runs
@@ -295,6 +322,9 @@ def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     assert results["rerank_by_rating"]["n"] == 2 and "bleu4" in results["rerank_by_rating"]
     rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
     assert all(len(r["rerank_by_rating"]["candidate_ratings"]) == 2 for r in rows)
+    agreement = results["rerank_by_rating"]["agreement"]
+    assert agreement["n"] + agreement["n_without_rating"] == 2
+    assert "*rerank_by_rating*: its written rating against the rating model's" in (evalrun / "report.md").read_text()
 
 
 @pytest.mark.stage

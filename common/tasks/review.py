@@ -430,12 +430,14 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], *, train: list
         per_reply = {name: [{**row, "rating_model": value} for row, value in zip(rows, rating["rating_model"])]
                      for name, rows in per_reply.items()}
     reranked = (rating or {}).get("reranked")
+    sections = _rating_rows(replies, metrics, baselines) + rating_sources.table_rows(sources["sources"])
     if reranked and "rerank_by_rating" in per_reply:
         per_reply["rerank_by_rating"] = [{**row, "candidate_ratings": info["candidate_ratings"], "kept": info["kept"]}
                                          for row, info in zip(per_reply["rerank_by_rating"], reranked)]
+        metrics["rerank_by_rating"]["agreement"] = rating_sources.rerank_agreement(reranked)
+        sections += rating_sources.agreement_rows(metrics["rerank_by_rating"]["agreement"])
     return EvalReport(metrics=metrics, baselines={**baselines, "rating_sources": sources["sources"]},
-                      per_reply=per_reply,
-                      sections=_rating_rows(replies, metrics, baselines) + rating_sources.table_rows(sources["sources"]),
+                      per_reply=per_reply, sections=sections,
                       plots=lambda out_dir: _plots(out_dir, pairs, sources["points"]))
 
 
