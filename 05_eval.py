@@ -51,7 +51,7 @@ from common.eval_outputs import describe_decoding, headline, kept_step, reply_ro
 from common.eval_scoring import JudgePanel, Scores, fluency_scores, judge_all, judge_panel, shared_metrics
 from common.generation import adapter_on, decoder_backends, in_groups, replies_of
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
-from common.rating_sources import rating_inputs, rerank_by_rating
+from common.rating_sources import hinted_premises, rating_inputs, rerank_by_rating
 from common.readout import rating_readouts
 from common.report import log_plots_to_wandb, plot_distributions, plot_watch, write_report
 from common.runs import Run
@@ -77,17 +77,18 @@ def main(config: EvalConfig, overrides: dict) -> None:
     # 2. Held-out premises: one per original post or paper, with its real replies as references.
     tokenizer = load_tokenizer(config)
     premises = held_out_premises(config, task, run)
+    # 2b. Review: the rating model's rating of each paper (--rating_run; it must not have trained on one), and
+    #     the dev run whose ratings fit the blend (--rating_dev_run), checked before anything is generated; a
+    #     writer trained with a rating in its prompt gets the rating model's there (common/rating_sources.py).
+    rating = rating_inputs(config, run, premises) if config.rating_run or config.rating_dev_run else None
+    premises = hinted_premises(config, run, premises, rating)
     prompts = [fit_prompt(tokenizer, r["prompt"], config.max_prompt_tokens) for r in premises]
     log.info("evaluating %s on %d premises", ["base"] * config.evaluate_base + [*adapters], len(premises))
 
-    # 2b. The judges, before anything is generated: none may have trained on a scored premise; a judge
+    # 2c. The judges, before anything is generated: none may have trained on a scored premise; a judge
     #     that also shares no post with the policy's train split is held out; a cross-fit is one more
     #     judge (common/eval_scoring.py, common/judges.py).
     panel = judge_panel(config, run, premises, prompts)
-    # 2c. Review: the rating model's rating of each paper (--rating_run; it must not have trained on one), and
-    #     the dev run whose ratings fit the blend (--rating_dev_run), checked before anything is generated
-    #     (common/rating_sources.py).
-    rating = rating_inputs(config, run, premises) if config.rating_run or config.rating_dev_run else None
 
     # 3. Generate every model's replies (or read them back with --replies_from).
     made = generate_all(config, run, task, tokenizer, adapters, premises, prompts, rating)

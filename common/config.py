@@ -363,6 +363,10 @@ class SFTStageConfig(RunArgs, ModelArgs, TrainArgs, PairsInputArgs, LongInputArg
     sft_run: str | None = arg(
         None, "RAFT: train on from this SFT run's adapter, the policy targets_from sampled, instead of a fresh "
         "adapter on the base (rejection-sampling fine-tuning continues the policy whose samples it keeps)")
+    rating_hint_noise: float | None = arg(
+        None, "review task: each prompt says a rating the review is to fit (the paper's reviewer mean plus Gaussian "
+        "noise of this sd, seeded per paper), so that the written rating follows it; 05 then gives the rating "
+        "model's (--rating_run) in its place. null: off (docs/review.md)", ge=0)
 
     def check(self):
         if self.targets_without_greedy and not self.targets_from:

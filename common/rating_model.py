@@ -81,7 +81,8 @@ def paper_inputs(row: dict, tokenizer, config, kind: str) -> list[list[int]]:
     if kind == ENCODER:
         return [list(tokenizer(encoder_text(row), truncation=True, max_length=config.max_length)["input_ids"])]
     from common.tasks.review_text import reading_windows
-    prompts = reading_windows(row, tokenizer, config.max_length, config.rating_window_overlap)
+    # never a writer's hint: the rating model is where that number comes from
+    prompts = reading_windows({**row, "rating_hint": None}, tokenizer, config.max_length, config.rating_window_overlap)
     return [token_ids(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True))
             for p in spread(prompts, config.rating_max_windows)]
 

@@ -122,6 +122,25 @@ def rating_inputs(config, run, premises: list[dict]) -> dict:
     return out
 
 
+def hinted_premises(config, run, premises: list[dict], rating: dict | None) -> list[dict]:
+    """An SFT run trained with a rating in its prompts (`rating_hint_noise`) is evaluated with the rating model's
+    rating of each paper in its place (review_text.HINT, to one decimal), for every model of the run, so that all
+    answer the same prompts; the manifest says so. Any other run: the premises as they are."""
+    if not config.sft_run:
+        return premises
+    from common.config import load_run_config
+    noise = getattr(load_run_config(config.sft_run), "rating_hint_noise", None)
+    if noise is None:
+        return premises
+    if not (rating and "rating_model" in rating):
+        raise RunError(f"--sft_run {config.sft_run} was trained to write the review that a rating in its prompt fits "
+                       f"(rating_hint_noise {noise}): give --rating_run, the rating model whose rating 05 puts there")
+    from common.tasks.review_text import prompt_for
+    run.manifest["rating_hint"] = {"from": config.rating_run, "sft_rating_hint_noise": noise}
+    hints = [round(float(value), 1) for value in rating["rating_model"]]
+    return [{**p, "rating_hint": h, "prompt": prompt_for(p["paper"], h)} for p, h in zip(premises, hints)]
+
+
 def rerank_by_rating(sampled: list[str], n: int, predicted: list[float]) -> tuple[list[str], list[dict]]:
     """n sampled reviews a paper (flat, paper by paper) -> the one whose written rating is nearest the rating
     model's prediction for the paper (the first of equals; the first review when none writes a rating), and

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -325,6 +326,37 @@ def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     agreement = results["rerank_by_rating"]["agreement"]
     assert agreement["n"] + agreement["n_without_rating"] == 2
     assert "*rerank_by_rating*: its written rating against the rating model's" in (evalrun / "report.md").read_text()
+
+
+@pytest.mark.stage
+def test_a_writer_trained_on_a_hinted_rating_is_evaluated_with_the_rating_models(runs):
+    out, pairs, rating = runs
+    sft = run_dir_of(run_stage("02_train_sft.py", "--config", f"{TINY}/02_train_sft.yaml", "--pairs_run", pairs,
+                               "--runs_dir", out, "--max_steps", "1", "--rating_hint_noise", "0.4"))
+    common = ["--config", f"{TINY}/05_eval.yaml", "--pairs_run", pairs, "--runs_dir", out, "--max_new_tokens", "8",
+              "--sft_run", sft, "--max_premises", "2"]
+    # without a rating model there is no rating to put in the prompt: one error line, before anything is generated
+    bad = run_stage("05_eval.py", *common, check=False)
+    assert bad.returncode != 0 and "give --rating_run" in error_line(bad) and "Traceback" not in bad.stderr
+    evalrun = run_dir_of(run_stage("05_eval.py", *common, "--rating_run", rating))
+    manifest = json.loads((evalrun / "manifest.json").read_text())
+    assert manifest["rating_hint"] == {"from": str(rating), "sft_rating_hint_noise": 0.4}
+    # the prompts that were answered say the rating model's rating of each paper
+    from common.config import load_run_config
+    from common.rating_sources import hinted_premises, rating_inputs
+    from common.tasks.review_text import HINT
+    config = load_run_config(evalrun)
+    premises = one_per_group(load_split(pairs, "test"))[:2]
+    extra = rating_inputs(config, None, premises)
+    hinted = hinted_premises(config, SimpleNamespace(manifest={}), premises, extra)
+    for row, value in zip(hinted, extra["rating_model"]):
+        assert HINT.format(round(value, 1)) in row["prompt"][0]["content"] and row["rating_hint"] == round(value, 1)
+    rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
+    assert [r["sft"]["rating_model"] for r in rows] == pytest.approx(extra["rating_model"], abs=READ_BACK)
+    # its preference stage would train on prompts without the rating: refused
+    dpo = run_stage("04_train_dpo.py", "--config", f"{TINY}/04_train_dpo.yaml", "--sft_run", sft, "--runs_dir", out,
+                    check=False)
+    assert dpo.returncode != 0 and "rating_hint_noise" in error_line(dpo) and "Traceback" not in dpo.stderr
 
 
 @pytest.mark.stage

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -332,8 +333,9 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
     from common.data import prompt_length, template_closing_tokens
     completion = [{"role": "assistant", "content": row["chosen"]}]
     n_target = len(tokenizer(row["chosen"], add_special_tokens=False)["input_ids"])
-    budget = config.max_length - prompt_length(tokenizer, prompt_for("")) - n_target - \
-        template_closing_tokens(tokenizer, prompt_for("")) - 1
+    hint = training_hint(row, config)
+    budget = config.max_length - prompt_length(tokenizer, prompt_for("", hint)) - n_target - \
+        template_closing_tokens(tokenizer, prompt_for("", hint)) - 1
     if budget <= config.window_overlap:
         raise DataError(f"paper {row['id']}: max_length={config.max_length} leaves {budget} tokens for the paper "
                         f"beside its {n_target}-token target (window_overlap={config.window_overlap}): lower "
@@ -342,8 +344,21 @@ def sft_examples(row: dict, tokenizer, config) -> list[dict]:
     spans = windows(len(ids), budget, config.window_overlap) if config.input_strategy == "sliding_window" \
         else [(0, min(len(ids), budget))]
     prompts = window_prompts(tokenizer, ids, spans, lambda prompt: prompt_length(tokenizer, prompt) + n_target +
-                              template_closing_tokens(tokenizer, prompt) + 1 - config.max_length)
+                              template_closing_tokens(tokenizer, prompt) + 1 - config.max_length, hint)
     return [{"prompt": prompt, "completion": completion} for prompt in prompts]
+
+
+def training_hint(row: dict, config) -> float | None:
+    """`rating_hint_noise`: the rating a training prompt says (review_text.HINT), the target's reviewer mean plus
+    Gaussian noise, on the scale, to one decimal; the same for a paper at every call (seeded by the seed and its
+    id). Noise about the size of the rating model's error keeps the writer from trusting the hint more than 05's
+    hint, the rating model's, deserves; 0 gives the target's own rating."""
+    noise = getattr(config, "rating_hint_noise", None)
+    if noise is None:
+        return None
+    rng = np.random.default_rng([config.seed, zlib.crc32(str(row["id"]).encode())])
+    low, high = SCALES["overall"]
+    return round(float(np.clip(row["rating"] + rng.normal(0, noise), low, high)), 1)
 
 
 READING = "for a paper, its first window: the rest of a long paper is not seen while writing"

@@ -23,6 +23,11 @@ INSTRUCTION = (
     "Overall Quality: 6 strong accept, 5 accept, 4 borderline accept, 3 borderline reject, 2 reject, "
     "1 strong reject. Review Confidence: 5 certain, 4 confident, 3 fairly confident, 2 willing to "
     "defend but unsure, 1 educated guess.\n\nThe paper:\n\n")
+# Conditioning (docs/review.md, "The written rating agreeing with the judgement"): a writer trained with this
+# line learns to write the review its rating fits; at eval the number is the rating model's. It comes before
+# the paper, so that cutting a long paper to its first window never cuts it.
+HINT = "A rating model that read this paper puts its Overall Quality at {:.1f}.\n\n"
+_PAPER_HEADER = "The paper:\n\n"
 
 
 # A rating is the label, a colon (or "="), the number, and maybe its scale ("5/6", "5 out of 6"): a
@@ -48,18 +53,20 @@ def parse_review(text: str) -> dict:
     return out
 
 
-def prompt_for(paper: str) -> list[dict]:
-    return [{"role": "user", "content": INSTRUCTION + paper}]
+def prompt_for(paper: str, hint: float | None = None) -> list[dict]:
+    """The user turn a paper is reviewed from; `hint`: a rating the review is to fit (HINT), or none."""
+    head = INSTRUCTION if hint is None else INSTRUCTION[:-len(_PAPER_HEADER)] + HINT.format(hint) + _PAPER_HEADER
+    return [{"role": "user", "content": head + paper}]
 
 
-def window_prompts(tokenizer, ids: list[int], spans, excess_of) -> list[list[dict]]:
+def window_prompts(tokenizer, ids: list[int], spans, excess_of, hint: float | None = None) -> list[list[dict]]:
     """One prompt per span of the paper's tokens, each within budget (`excess_of(prompt) <= 0`).
     Decoding and re-encoding a window can merge tokens differently: a window is shrunk until it fits,
     on the side its neighbour covers (the last window keeps the paper's end)."""
     prompts = []
     for start, end in spans:
         while True:
-            prompt = prompt_for(tokenizer.decode(ids[start:end]))
+            prompt = prompt_for(tokenizer.decode(ids[start:end]), hint)
             excess = excess_of(prompt)
             if excess <= 0 or end - start <= 1:
                 break
@@ -74,15 +81,16 @@ def window_prompts(tokenizer, ids: list[int], spans, excess_of) -> list[list[dic
 def reading_windows(row: dict, tokenizer, max_prompt_tokens: int, overlap: int) -> list[list[dict]]:
     """Stage 05, reading all_windows (and the rating model): the paper as prompts of at most
     `max_prompt_tokens` templated tokens, windows covering every token with `overlap` tokens shared by
-    neighbours."""
+    neighbours; each with the row's `rating_hint` where it has one (a conditioned writer's eval)."""
     from common.data import prompt_length
-    budget = max_prompt_tokens - prompt_length(tokenizer, prompt_for(""))
+    hint = row.get("rating_hint")
+    budget = max_prompt_tokens - prompt_length(tokenizer, prompt_for("", hint))
     if budget <= overlap:
         raise DataError(f"max_prompt_tokens={max_prompt_tokens} leaves {budget} tokens of paper a window, not more "
                         f"than window_overlap={overlap}: lower window_overlap or raise max_prompt_tokens")
     ids = tokenizer(row["paper"], add_special_tokens=False)["input_ids"]
     return window_prompts(tokenizer, ids, windows(len(ids), budget, overlap),
-                           lambda prompt: prompt_length(tokenizer, prompt) - max_prompt_tokens)
+                           lambda prompt: prompt_length(tokenizer, prompt) - max_prompt_tokens, hint)
 
 
 def windows(n_tokens: int, window_tokens: int, overlap: int) -> list[tuple[int, int]]:

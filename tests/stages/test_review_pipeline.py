@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from conftest import run_dir_of, run_stage
 
@@ -69,6 +70,27 @@ def test_sft_examples_fit_max_length_and_windows_cover_the_paper(chain, strategy
         assert len(examples) > 1 and row["paper"].rstrip().endswith(papers[-1].rstrip()[-200:])
         for before, after in zip(papers, papers[1:]):  # neighbours share text: no token is skipped
             assert after[:40] in before
+
+
+def test_a_hinted_writer_trains_on_a_noisy_rating_in_every_window(chain):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(".cache/models/tiny-llama3")
+    config = SimpleNamespace(max_length=4096, window_overlap=64, input_strategy="sliding_window", seed=42,
+                             rating_hint_noise=0.4)
+    rows = load_split(chain["pairs"], "train")[:30]
+    hints = [review.training_hint(row, config) for row in rows]
+    assert hints == [review.training_hint(row, config) for row in rows]  # the same for a paper at every call
+    gaps = [h - row["rating"] for h, row in zip(hints, rows)]
+    assert all(1 <= h <= 6 and round(h, 1) == h for h in hints) and 0.15 < float(np.std(gaps)) < 0.8
+    assert review.training_hint(rows[0], SimpleNamespace(**{**vars(config), "rating_hint_noise": 0.0})) == \
+        round(rows[0]["rating"], 1)
+    assert review.training_hint(rows[0], SimpleNamespace(**{**vars(config), "rating_hint_noise": None})) is None
+    examples = review.sft_examples(rows[0], tokenizer, config)
+    line = review_text.HINT.format(hints[0])
+    assert len(examples) > 1 and all(line in e["prompt"][0]["content"] for e in examples)
+    for example in examples:  # the hint's tokens are budgeted: every window still fits
+        ids = tokenizer.apply_chat_template(example["prompt"] + example["completion"], tokenize=True)
+        assert len(ids["input_ids"] if hasattr(ids, "keys") else ids) <= config.max_length
 
 
 def test_dpo_rejected_reviews_come_from_the_named_model(chain):

@@ -49,6 +49,16 @@ def test_targets_round_trip_on_the_bundled_rows(examples, target):
         assert ex["group_id"] in ex["id"] and len(ex["chosen"].split()) <= 900
 
 
+def test_a_hint_sits_before_the_paper_and_is_not_read_as_a_rating():
+    plain = review_text.prompt_for("# A paper\n\nIts body.")[0]["content"]
+    hinted = review_text.prompt_for("# A paper\n\nIts body.", 4.3)[0]["content"]
+    assert plain == review_text.INSTRUCTION + "# A paper\n\nIts body."
+    head, paper = hinted.split("The paper:\n\n")
+    assert paper == "# A paper\n\nIts body." and head.endswith("puts its Overall Quality at 4.3.\n\n")
+    assert head.startswith(review_text.INSTRUCTION[:-len("The paper:\n\n")])
+    assert "Overall Quality:" not in review_text.HINT  # no rating label: a quoted hint is never a parsed rating
+
+
 def test_merged_rating_is_the_reviewers_mean_to_one_decimal(examples):
     for ex in examples["merged"]:
         mean = sum(ex["human_ratings"]) / len(ex["human_ratings"])
