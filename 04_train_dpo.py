@@ -38,7 +38,7 @@ from transformers import set_seed
 
 from common import fast
 from common.cli import cli
-from common.config import DPOStageConfig, load_run_config
+from common.config import DPOStageConfig
 from common.data import DataError, fit_prompt, fit_reply, load_split, read_jsonl, write_jsonl
 from common.generation import decoder_backends, generate_replies
 from common.model import CAUSAL_LM, fingerprint, load_model, load_tokenizer
@@ -140,9 +140,6 @@ def main(config: DPOStageConfig, overrides: dict) -> None:
     # 1. Seed and run directory (named by the loss: DPO or ORPO); the SFT run must be finished and
     #    built on this base.
     set_seed(config.seed)
-    if config.sft_run and getattr(load_run_config(config.sft_run), "rating_hint_noise", None) is not None:
-        raise RunError(f"--sft_run {config.sft_run} writes to fit a rating in its prompt (rating_hint_noise); "
-                       "the preference pairs' prompts carry none: start from an SFT run without it")
     inputs = {"sft_run": config.sft_run, "pairs_run": config.pairs_run}
     run = Run(config.stage, config, overrides, inputs={k: v for k, v in inputs.items() if v}, base=fingerprint(config))
     run.manifest["started_from"] = "sft" if config.sft_run else "base"

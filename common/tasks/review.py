@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.config import ConfigError
+from common.config import ConfigError, DPOStageConfig
 from common.data import DataError, n_words, text_field
 from common.tasks.protocol import EvalReport
 from common.tasks.review_text import SCALES, parse_review, prompt_for, window_prompts, windows
@@ -309,6 +309,12 @@ def check_config(config) -> None:
                           f"({config.max_length}) for the review task's windows: lower window_overlap", "window_overlap")
     if getattr(config, "max_reply_tokens", None):
         raise ConfigError("field 'max_reply_tokens' cuts a CMV reply; a review is cut by max_length", "max_reply_tokens")
+    if isinstance(config, DPOStageConfig) and config.sft_run:  # the input runs are checked by now
+        from common.config import load_run_config
+        if getattr(load_run_config(config.sft_run), "rating_hint_noise", None) is not None:
+            raise ConfigError(f"--sft_run {config.sft_run} writes the review that a rating in its prompt fits "
+                              "(rating_hint_noise); the preference pairs' prompts carry none: start from an SFT run "
+                              "without it", "sft_run")
     if not hasattr(config, "rating_pooling"):  # the rest is stage 03's: the rating model
         return
     if config.judge_backbone == "lora_4bit" and config.rating_window_overlap >= config.max_length:
