@@ -251,9 +251,9 @@ def table_rows(sources: dict) -> list[str]:
     for name, r in sources.items():
         if "blend" in r:
             b = r["blend"]
-            terms = " + ".join(f"{w:.3f} x {k}" for k, w in b["weights"].items())
+            terms = "".join(f" + {w:.3f} x {k}" for k, w in b["weights"].items())
             flat = "".join(f"; {k} left out, sd {sd:.3f} on dev" for k, sd in b.get("flat", {}).items())
-            rows.append(f"\n{name} = {b['intercept']:.3f} + {terms} (fitted on {b['n_fit']} dev papers{flat})")
+            rows.append(f"\n{name} = {b['intercept']:.3f}{terms} (fitted on {b['n_fit']} dev papers{flat})")
     return rows
 
 

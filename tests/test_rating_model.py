@@ -231,6 +231,9 @@ def test_the_report_names_a_source_left_out_of_the_blend():
     line = [r for r in table_rows({"sft_blend": row}) if r.startswith("\nsft_blend =")]
     assert len(line) == 1 and "x sft_rating" in line[0] and "x rating_model" not in line[0]
     assert "rating_model left out, sd 0.000 on dev" in line[0]
+    alone = fit_blend({"rating_model": [4.2] * 40}, list(gold))  # every source flat: the intercept alone
+    line = table_rows({"sft_blend": {**row, "blend": alone}})[-1]
+    assert line.startswith(f"\nsft_blend = {alone['intercept']:.3f} (fitted on 40 dev papers; rating_model left out")
 
 
 def test_a_blend_with_fewer_dev_papers_than_weights_is_refused():
