@@ -168,3 +168,12 @@ def test_a_cmv_reply_is_cut_to_max_reply_tokens_at_a_sentence_end(tiny_model):
     for key in ("chosen", "rejected"):
         text = data[0][key][0]["content"]
         assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 40 and text.endswith("."), text
+
+
+@pytest.mark.parametrize("field, value", [("rating_run", "runs/x"), ("rating_dev_run", "runs/y"),
+                                          ("rating_hint_noise", 0.4), ("rating_hint_noise", 0.0)])
+def test_the_review_tasks_rating_fields_are_refused_for_cmv(field, value):
+    from types import SimpleNamespace
+    with pytest.raises(ConfigError, match=f"field '{field}' is the review task's"):
+        get_task("cmv").check_config(SimpleNamespace(**{field: value}))
+    get_task("cmv").check_config(SimpleNamespace(rating_hint_noise=None))  # off: nothing to refuse

@@ -202,8 +202,8 @@ def rows_from(row, where: str, config, options: Options) -> list[dict] | str:
 def check_config(config) -> None:
     """Before a stage's run directory exists: every setting works for CMV but the review task's ratings."""
     for field in ("rating_run", "rating_dev_run", "rating_hint_noise"):
-        if getattr(config, field, None):
-            raise ConfigError(f"field '{field}' is the review task's (a paper's rating); a CMV eval has none", field)
+        if getattr(config, field, None) not in (None, ""):  # a hint noise of 0 is on
+            raise ConfigError(f"field '{field}' is the review task's (a paper's rating); a CMV run has none", field)
 
 
 def input_units(row) -> dict:
