@@ -14,6 +14,10 @@ The blend is a least-squares line through the model's rating (parsed where writt
 the rating model's and the bag of words', with an intercept, fitted on the DEV papers of an Eval run on the dev split
 (`--rating_dev_run`) and only then applied to the scored papers: the scored papers never enter the fit.
 A source that hardly varies on the dev papers is left out of it (MIN_SPREAD; `flat` in the blend says so).
+
+The rating model's rating also steers the written one: `rerank_by_rating` keeps the sampled review whose rating
+is nearest it (`rerank_agreement` says how near), and `hinted_premises` puts it in the prompts of a writer trained
+to fit a rating there (02's `rating_hint_noise`).
 """
 from __future__ import annotations
 
