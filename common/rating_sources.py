@@ -139,9 +139,9 @@ def hinted_premises(config, run, premises: list[dict], rating: dict | None) -> l
     if not (rating and "rating_model" in rating):
         raise RunError(f"--sft_run {config.sft_run} was trained to write the review that a rating in its prompt fits "
                        f"(rating_hint_noise {noise}): give --rating_run, the rating model whose rating 05 puts there")
-    from common.tasks.review_text import SCALES, prompt_for
+    from common.tasks.review_text import as_hint, prompt_for
     run.manifest["rating_hint"] = {"from": config.rating_run, "sft_rating_hint_noise": noise}
-    hints = [round(float(np.clip(value, *SCALES["overall"])), 1) for value in rating["rating_model"]]
+    hints = [as_hint(value) for value in rating["rating_model"]]
     return [{**p, "rating_hint": h, "prompt": prompt_for(p["paper"], h)} for p, h in zip(premises, hints)]
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from common.config import ConfigError, DPOStageConfig
 from common.data import DataError, n_words, text_field
 from common.tasks.protocol import EvalReport
-from common.tasks.review_text import SCALES, parse_review, prompt_for, window_prompts, windows
+from common.tasks.review_text import SCALES, as_hint, parse_review, prompt_for, window_prompts, windows
 from common.tasks.review_text import reading_windows as reading_windows  # a ReadsRatings hook, re-exported
 
 NAME = "review"
@@ -363,8 +363,7 @@ def training_hint(row: dict, config) -> float | None:
     if noise is None:
         return None
     rng = np.random.default_rng([config.seed, zlib.crc32(str(row["id"]).encode())])
-    low, high = SCALES["overall"]
-    return round(float(np.clip(row["rating"] + rng.normal(0, noise), low, high)), 1)
+    return as_hint(row["rating"] + rng.normal(0, noise))
 
 
 READING = "for a paper, its first window: the rest of a long paper is not seen while writing"

@@ -53,6 +53,12 @@ def parse_review(text: str) -> dict:
     return out
 
 
+def as_hint(rating: float) -> float:
+    """A rating as a prompt says it (HINT): on the scale, to one decimal."""
+    low, high = SCALES["overall"]
+    return round(min(max(float(rating), low), high), 1)
+
+
 def prompt_for(paper: str, hint: float | None = None) -> list[dict]:
     """The user turn a paper is reviewed from; `hint`: a rating the review is to fit (HINT), or none."""
     head = INSTRUCTION if hint is None else INSTRUCTION[:-len(_PAPER_HEADER)] + HINT.format(hint) + _PAPER_HEADER
