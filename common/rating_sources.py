@@ -17,7 +17,7 @@ A source that hardly varies on the dev papers is left out of it (MIN_SPREAD; `fl
 
 The rating model's rating also steers the written one: `rerank_by_rating` keeps the sampled review whose rating
 is nearest it (`rerank_agreement` says how near), and `hinted_premises` puts it in the prompts of a writer trained
-to fit a rating there (02's `rating_hint_noise`).
+to fit a rating there (02's `rating_hint_noise`; `hint_agreement` says how far each model writes it).
 """
 from __future__ import annotations
 
@@ -160,33 +160,65 @@ def rerank_by_rating(sampled: list[str], n: int, predicted: list[float]) -> tupl
     return kept, info
 
 
+def _follows(written: list, target: list) -> dict:
+    """How far written ratings (None where a review has none) follow the rating model's: their Pearson and
+    mean gap over the papers with one."""
+    rated = [i for i, w in enumerate(written) if w is not None]
+    w = np.array([written[i] for i in rated], dtype=float)
+    m = np.array([target[i] for i in rated], dtype=float)
+    varies = len(rated) >= 3 and np.std(w) > 0 and np.std(m) > 0
+    return {"n": len(rated), "n_without_rating": len(written) - len(rated),
+            "pearson_with_rating_model": float(np.corrcoef(w, m)[0, 1]) if varies else None,
+            "mean_abs_gap": float(np.mean(np.abs(w - m))) if rated else None}
+
+
 def rerank_agreement(reranked: list[dict]) -> dict:
     """How far the reranked reviews' written ratings follow the rating model (`rerank_by_rating`'s per-paper
     info): Pearson between the kept rating and the rating model's, their mean gap, and the two spreads that bound
     it. Four candidates that spread more within a paper than the rating model's predictions spread over papers
     leave the nearest one mostly to chance (a Qwen reviewer: candidates sd 0.35, rating model sd 0.18, Pearson 0.07)."""
-    rated = [r for r in reranked if r["candidate_ratings"][r["kept"]] is not None]
-    kept = np.array([r["candidate_ratings"][r["kept"]] for r in rated], dtype=float)
-    model = np.array([r["rating_model"] for r in rated], dtype=float)
     spreads = [np.std(c) for c in ([v for v in r["candidate_ratings"] if v is not None] for r in reranked) if len(c) >= 2]
-    varies = len(rated) >= 3 and np.std(kept) > 0 and np.std(model) > 0
-    return {"n": len(rated), "n_without_rating": len(reranked) - len(rated),
-            "pearson_with_rating_model": float(np.corrcoef(kept, model)[0, 1]) if varies else None,
-            "mean_abs_gap": float(np.mean(np.abs(kept - model))) if rated else None,
+    return {**_follows([r["candidate_ratings"][r["kept"]] for r in reranked], [r["rating_model"] for r in reranked]),
             "candidates_sd_within_paper": float(np.mean(spreads)) if spreads else None,
             "rating_model_sd": float(np.std([r["rating_model"] for r in reranked])) if reranked else None}
 
 
+def hint_agreement(hints: list[float], parsed: list, readout: list) -> dict:
+    """How far a model told the rating model's rating (`hinted_premises`) follows it: its written rating's Pearson
+    and mean gap, how many write the hint itself (to its one decimal), and its read-out's Pearson with the hint. A
+    Qwen writer trained with hints wrote 4.5 in 30 of 31 reviews while its read-out followed the hint (0.82)."""
+    out = {**_follows(parsed, hints), "writes_the_hint": sum(p is not None and abs(p - h) < 0.05
+                                                             for p, h in zip(parsed, hints)),
+           "written_sd": float(np.std([p for p in parsed if p is not None])) if any(p is not None for p in parsed) else None,
+           "hint_sd": float(np.std(hints))}
+    read = _follows(readout, hints) if any(r is not None for r in readout) else {}
+    return {**out, "readout_pearson_with_hint": read.get("pearson_with_rating_model")}
+
+
+def _f(value):
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def agreement_rows(agreement: dict) -> list[str]:
     """report.md's line under the sources: does the rerank's written rating follow the rating model?"""
-    def f(value):
-        return "n/a" if value is None else f"{value:.2f}"
     a = agreement
     return ["", f"*rerank_by_rating*: its written rating against the rating model's on {a['n']} papers "
-            f"({a['n_without_rating']} without one): Pearson {f(a['pearson_with_rating_model'])}, mean gap "
-            f"{f(a['mean_abs_gap'])}; its candidates spread sd {f(a['candidates_sd_within_paper'])} within a paper, "
-            f"the rating model sd {f(a['rating_model_sd'])} over papers (where the first is the larger, the nearest "
+            f"({a['n_without_rating']} without one): Pearson {_f(a['pearson_with_rating_model'])}, mean gap "
+            f"{_f(a['mean_abs_gap'])}; its candidates spread sd {_f(a['candidates_sd_within_paper'])} within a paper, "
+            f"the rating model sd {_f(a['rating_model_sd'])} over papers (where the first is the larger, the nearest "
             "candidate is mostly chance)."]
+
+
+def hint_rows(agreements: dict[str, dict]) -> list[str]:
+    """report.md's lines under the sources of a hinted eval: does each model write the rating it was told?"""
+    rows = ["", "*Told the rating model's rating* (in every prompt, to one decimal):"]
+    for name, a in agreements.items():
+        rows.append(f"- {name}: writes it in {a['writes_the_hint']} of {a['n']} reviews with a rating "
+                    f"({a['n_without_rating']} without one); its written rating's Pearson with it "
+                    f"{_f(a['pearson_with_rating_model'])}, mean gap {_f(a['mean_abs_gap'])}, sd {_f(a['written_sd'])} "
+                    f"against the hints' {_f(a['hint_sd'])}; its read-out's Pearson with it "
+                    f"{_f(a['readout_pearson_with_hint'])}.")
+    return rows
 
 
 # --- the sources, the table, the plots ------------------------------------------------------------

@@ -308,6 +308,23 @@ def test_the_rerank_reports_how_far_its_written_rating_follows_the_rating_model(
     assert flat["pearson_with_rating_model"] is None and "Pearson n/a" in agreement_rows(flat)[1]
 
 
+def test_a_hinted_eval_reports_how_far_each_model_writes_the_rating_it_was_told():
+    from common.rating_sources import hint_agreement, hint_rows
+    hints = [3.6, 4.0, 4.3, 4.1]
+    # one writes the hint (4.0), the others 4.5 or nothing; its read-out follows the hints exactly
+    a = hint_agreement(hints, [4.5, 4.0, 4.5, None], [3.6, 4.0, 4.3, 4.1])
+    assert a["writes_the_hint"] == 1 and a["n"] == 3 and a["n_without_rating"] == 1
+    assert a["mean_abs_gap"] == pytest.approx((0.9 + 0 + 0.2) / 3)
+    assert a["pearson_with_rating_model"] == pytest.approx(np.corrcoef([4.5, 4.0, 4.5], [3.6, 4.0, 4.3])[0, 1])
+    assert a["readout_pearson_with_hint"] == pytest.approx(1.0)
+    assert a["written_sd"] == pytest.approx(np.std([4.5, 4.0, 4.5])) and a["hint_sd"] == pytest.approx(np.std(hints))
+    # a model that writes one rating everywhere and has no read-out: no Pearson, said as n/a
+    flat = hint_agreement(hints, [4.5] * 4, [None] * 4)
+    assert flat["pearson_with_rating_model"] is None and flat["readout_pearson_with_hint"] is None
+    line = hint_rows({"sft": flat})[-1]
+    assert line.startswith("- sft: writes it in 0 of 4 reviews") and "read-out's Pearson with it n/a" in line
+
+
 @pytest.mark.stage
 def test_stage_05_reranks_sft_reviews_by_the_rating_model(runs):
     out, pairs, rating = runs
@@ -356,6 +373,11 @@ def test_a_writer_trained_on_a_hinted_rating_is_evaluated_with_the_rating_models
         assert HINT.format(round(value, 1)) in row["prompt"][0]["content"] and row["rating_hint"] == round(value, 1)
     rows = [json.loads(line) for line in (evalrun / "replies.jsonl").read_text().splitlines()]
     assert [r["sft"]["rating_model"] for r in rows] == pytest.approx(extra["rating_model"], abs=READ_BACK)
+    # and how far each model wrote the rating it was told, in eval.json and under report.md's table
+    results = json.loads((evalrun / "eval.json").read_text())
+    for name in ("base", "sft"):
+        assert results[name]["hint"]["n"] + results[name]["hint"]["n_without_rating"] == 2
+    assert "*Told the rating model's rating*" in (evalrun / "report.md").read_text()
     # its preference stage would train on prompts without the rating: refused
     dpo = run_stage("04_train_dpo.py", "--config", f"{TINY}/04_train_dpo.yaml", "--sft_run", sft, "--runs_dir", out,
                     check=False)

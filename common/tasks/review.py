@@ -456,6 +456,11 @@ def evaluate(premises: list[dict], replies: dict[str, list[str]], *, train: list
                                          for row, info in zip(per_reply["rerank_by_rating"], reranked)]
         metrics["rerank_by_rating"]["agreement"] = rating_sources.rerank_agreement(reranked)
         sections += rating_sources.agreement_rows(metrics["rerank_by_rating"]["agreement"])
+    hints = [p.get("rating_hint") for p in premises]
+    if premises and all(h is not None for h in hints):  # a writer trained with a rating in its prompts
+        for name, values in per_model.items():
+            metrics[name]["hint"] = rating_sources.hint_agreement(hints, values["parsed"], values["readout"])
+        sections += rating_sources.hint_rows({name: metrics[name]["hint"] for name in per_model})
     return EvalReport(metrics=metrics, baselines={**baselines, "rating_sources": sources["sources"]},
                       per_reply=per_reply, sections=sections,
                       plots=lambda out_dir: _plots(out_dir, pairs, sources["points"]))

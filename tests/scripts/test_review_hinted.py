@@ -84,3 +84,6 @@ def test_the_script_runs_on_the_tiny_recipe_and_only_the_hinted_evals_carry_the_
     sources = json.loads((hinted / "eval.json").read_text())["rating_sources"]
     assert {"base_parsed", "sft_parsed", "sft_blend", "rating_model"} <= set(sources)
     assert "sft_blend" not in json.loads((plain / "eval.json").read_text())["rating_sources"]
+    # how far each writer wrote the rating it was told: measured where there was one to tell
+    assert "hint" in json.loads((hinted / "eval.json").read_text())["sft"]
+    assert "hint" not in json.loads((plain / "eval.json").read_text())["sft"]
