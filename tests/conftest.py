@@ -156,6 +156,15 @@ def exact_fp32() -> None:
         set_tf32(False)
 
 
+def stand_in_interpreter(tmp_path: Path, body: str, name: str = "python") -> str:
+    """A stand-in program in tmp_path, most often a chain script's interpreter (its PY): a bash program of `body`,
+    its first argument the stage script the chain runs, so a test sees the chain's calls without running a stage."""
+    fake = tmp_path / name
+    fake.write_text(f"#!/usr/bin/env bash\n{body}")
+    fake.chmod(0o755)
+    return str(fake)
+
+
 def run_stage(script: str, *args, check: bool = True) -> subprocess.CompletedProcess:
     """Run a stage script through its real command line; return the finished process."""
     _check_marked_stage(script)

@@ -7,21 +7,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import REPO
-
-
-def _stages(tmp_path: Path, name: str, body: str) -> str:
-    """A fake stage interpreter (the chains' PY): a bash program of `body`, its first argument the stage."""
-    fake = tmp_path / name
-    fake.write_text(f"#!/usr/bin/env bash\n{body}")
-    fake.chmod(0o755)
-    return str(fake)
+from conftest import REPO, stand_in_interpreter
 
 
 def _demo(tmp_path: Path, body: str, **env) -> subprocess.CompletedProcess:
     """A script that sources scripts/demo_lib.sh and runs `body`, with a fake stage interpreter that
     prints its arguments and a run_dir line; the script's stdout and stderr go to one file."""
-    fake = _stages(tmp_path, "python", 'echo "stage of $1 args: ${*:2}"\necho "run_dir: /r/$1"\n')
+    fake = stand_in_interpreter(tmp_path, name="python", body='echo "stage of $1 args: ${*:2}"\necho "run_dir: /r/$1"\n')
     script = tmp_path / "chain.sh"
     script.write_text(f'source "{REPO}/scripts/demo_lib.sh"\n{body}\n')
     log = tmp_path / "run.log"
@@ -69,7 +61,7 @@ def test_resume_takes_finished_runs_and_renames_unfinished_ones(tmp_path):
 
 
 def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
-    fake = _stages(tmp_path, "slow", 'echo start >> "$RUNS_DIR/events"; sleep 0.5\n'
+    fake = stand_in_interpreter(tmp_path, name="slow", body='echo start >> "$RUNS_DIR/events"; sleep 0.5\n'
                                      'echo end >> "$RUNS_DIR/events"; echo "run_dir: /r/$1"\n')
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR; '
             'for n in 1 2 3 4; do background s$n x.py; done; wait_for_all')
@@ -85,7 +77,7 @@ def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
 def test_a_stage_out_of_gpu_memory_runs_again_alone_with_what_waited_on_it(tmp_path):
     """A stage that ran out of GPU memory beside others runs once more, alone, under the next free run name; a
     stage that waited on it (--after) runs again after it; a stage out of memory twice is a failure."""
-    fake = _stages(tmp_path, "oom", r'''name=$3; base=${name%_2}
+    fake = stand_in_interpreter(tmp_path, name="oom", body=r'''name=$3; base=${name%_2}
 mkdir -p "$RUNS_DIR/$name"; echo "start $name" >> "$RUNS_DIR/events"; sleep 0.3
 if [[ " $OOM " == *" $base "* && ( ! -e "$RUNS_DIR/oom_$base" || -n $TWICE ) ]]; then
   touch "$RUNS_DIR/oom_$base"; echo "end $name"  >> "$RUNS_DIR/events"
@@ -118,7 +110,7 @@ echo "end $name" >> "$RUNS_DIR/events"; echo "run_dir: $RUNS_DIR/$name"
 def test_a_chain_that_stops_on_an_error_stops_its_background_stages(tmp_path):
     """A stage in the foreground fails while one runs in the background: the chain exits 1 at once and the
     background stage is stopped, not left to finish and write its run after the chain said it failed."""
-    fake = _stages(tmp_path, "stages", 'if [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
+    fake = stand_in_interpreter(tmp_path, name="stages", body='if [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
                                        'sleep 2; touch "$RUNS_DIR/finished"; echo "run_dir: /r/$1"\n')
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
             'background slow sleeps.py\nx=$(stage fails.py)\necho "not reached"')
@@ -139,7 +131,7 @@ def test_gpu_jobs_counts_the_stages_a_gpus_free_memory_holds(tmp_path):
     for total, free in ((81559, 81559), (143771, 143771), (81559, 40000), (16384, 16384), (None, None)):
         # the stand-in answers the query it is asked: total and free differ where another job holds memory
         body = (f'case "$*" in *memory.free*) echo {free};; *) echo {total};; esac\n' if total else "exit 127\n")
-        _stages(bin_dir, "nvidia-smi", body)
+        stand_in_interpreter(bin_dir, body, name="nvidia-smi")
         proc = _demo(tmp_path, "gpu_jobs 20", PATH=f"{bin_dir}:{os.environ['PATH']}")
         assert proc.returncode == 0, proc.stdout
         counts[(total, free)] = int(proc.stdout.strip())

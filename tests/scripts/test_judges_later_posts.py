@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, stand_in_interpreter
 
 
 def _judge_dir(path: Path, dev_later_accuracy: float) -> None:
@@ -36,9 +36,7 @@ def test_judges_later_posts_keeps_run_directories_with_spaces_whole(tmp_path, tw
     runs = tmp_path / "my runs"
     for k, name in enumerate(CANDIDATES):
         _judge_dir(runs / f"Judge_{name}", (k + 1) / 10)
-    fake = tmp_path / "python"
-    fake.write_text(f"""#!/usr/bin/env bash
-case $1 in
+    fake = stand_in_interpreter(tmp_path, f"""case $1 in
   01_build_pairs.py) echo "run_dir: $RUNS_DIR/pairs run" ;;
   03_train_reward.py) while [[ $1 != --run_name ]]; do shift; done; echo "run_dir: $RUNS_DIR/$2" ;;
   scripts/judges_later_posts.py) if [[ $2 == best* ]]; then exec "{sys.executable}" "$@"; fi
@@ -46,8 +44,7 @@ case $1 in
   scripts/judge_ensemble.py) printf '%s\\n' "${{@:2}}" > "{tmp_path}/ensemble_args" ;;
 esac
 """)
-    fake.chmod(0o755)
-    env = {**os.environ, "PY": str(fake), "RUNS_DIR": str(runs), "RECIPE_03": "configs/tiny",
+    env = {**os.environ, "PY": fake, "RUNS_DIR": str(runs), "RECIPE_03": "configs/tiny",
            "TWO_JUDGE_ENSEMBLE": two_judge_ensemble}
     proc = subprocess.run(["bash", "scripts/judges_later_posts.sh"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

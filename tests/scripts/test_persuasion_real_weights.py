@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_bert
+from conftest import REPO, stand_in_interpreter, tiny_bert
 
 pytestmark = pytest.mark.stage  # every test here runs stage scripts (tests/README.md)
 
@@ -109,8 +109,7 @@ def test_the_persuasion_script_runs_every_stage_and_writes_the_comparison(tiny_m
 
 
 
-FAKE_PY = r'''#!/usr/bin/env bash
-# A stand-in interpreter: every stage "finishes" with a run directory, except those FAIL names (a crash)
+FAKE_PY = r'''# A stand-in interpreter: every stage "finishes" with a run directory, except those FAIL names (a crash)
 # and those GUARD names (stopped by the length guard), those SLOW names taking 4 s; the helper scripts print
 # what the chain reads.
 script=$1; shift
@@ -134,11 +133,9 @@ mkdir -p "$runs/$name" && echo "run_dir: $runs/$name"
 
 
 def _chain(tmp_path, **env):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PY)
-    fake.chmod(0o755)
+    fake = stand_in_interpreter(tmp_path, FAKE_PY)
     proc = subprocess.run(["bash", "scripts/persuasion_real_weights.sh"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PY": str(fake), "RUNS_DIR": str(tmp_path / "runs"), "FAIL": "",
+                          env={**os.environ, "PY": fake, "RUNS_DIR": str(tmp_path / "runs"), "FAIL": "",
                                "GUARD": "", "SLOW": "", **env}, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 

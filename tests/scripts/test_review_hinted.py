@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, stand_in_interpreter
 
-FAKE_PY = r'''#!/usr/bin/env bash
-# A stand-in interpreter: every stage "finishes" with a run directory named after its script.
+FAKE_PY = r'''# A stand-in interpreter: every stage "finishes" with a run directory named after its script.
 script=$1; shift
 echo "$script $*" >> "$CALLS"
 runs=$RUNS_DIR
@@ -23,12 +22,10 @@ mkdir -p "$runs/$name" && echo "run_dir: $runs/$name"
 
 
 def _calls(tmp_path, **env):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PY)
-    fake.chmod(0o755)
+    fake = stand_in_interpreter(tmp_path, FAKE_PY)
     calls = tmp_path / "calls"
     proc = subprocess.run(["bash", "scripts/review_hinted.sh"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PY": str(fake), "RUNS_DIR": str(tmp_path / "runs"), "CALLS": str(calls),
+                          env={**os.environ, "PY": fake, "RUNS_DIR": str(tmp_path / "runs"), "CALLS": str(calls),
                                "RECIPE": "configs/tiny/review", **env}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [line.split() for line in calls.read_text().splitlines()], proc.stdout

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 
-from conftest import REPO
+from conftest import REPO, stand_in_interpreter
 
-FAKE_PY = r'''#!/usr/bin/env bash
-# A stand-in interpreter: every stage "finishes" with a run directory; the helper script prints what the chain reads.
+FAKE_PY = r'''# A stand-in interpreter: every stage "finishes" with a run directory; the helper script prints what the chain reads.
 script=$1; shift
 echo "$script $*" >> "$CALLS"
 command=${1:-} first=${2:-}
@@ -26,12 +25,10 @@ mkdir -p "$runs/$name" && echo "run_dir: $runs/$name"
 
 
 def _chain(tmp_path, **env):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PY)
-    fake.chmod(0o755)
+    fake = stand_in_interpreter(tmp_path, FAKE_PY)
     calls = tmp_path / "calls"
     proc = subprocess.run(["bash", "scripts/review_real_weights.sh"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PY": str(fake), "RUNS_DIR": str(tmp_path / "runs"), "CALLS": str(calls),
+                          env={**os.environ, "PY": fake, "RUNS_DIR": str(tmp_path / "runs"), "CALLS": str(calls),
                                "RATING_CONFIGS": "", "DECODINGS": "--temperature 0", **env}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return calls.read_text().splitlines()
