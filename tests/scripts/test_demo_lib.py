@@ -13,7 +13,7 @@ from conftest import REPO, stand_in_interpreter
 def _demo(tmp_path: Path, body: str, **env) -> subprocess.CompletedProcess:
     """A script that sources scripts/demo_lib.sh and runs `body`, with a fake stage interpreter that
     prints its arguments and a run_dir line; the script's stdout and stderr go to one file."""
-    fake = stand_in_interpreter(tmp_path, name="python", body='echo "stage of $1 args: ${*:2}"\necho "run_dir: /r/$1"\n')
+    fake = stand_in_interpreter(tmp_path, 'echo "stage of $1 args: ${*:2}"\necho "run_dir: /r/$1"\n')
     script = tmp_path / "chain.sh"
     script.write_text(f'source "{REPO}/scripts/demo_lib.sh"\n{body}\n')
     log = tmp_path / "run.log"
@@ -62,7 +62,7 @@ def test_resume_takes_finished_runs_and_renames_unfinished_ones(tmp_path):
 
 def test_max_jobs_runs_stages_a_few_at_a_time(tmp_path):
     fake = stand_in_interpreter(tmp_path, name="slow", body='echo start >> "$RUNS_DIR/events"; sleep 0.5\n'
-                                     'echo end >> "$RUNS_DIR/events"; echo "run_dir: /r/$1"\n')
+                                                            'echo end >> "$RUNS_DIR/events"; echo "run_dir: /r/$1"\n')
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR; '
             'for n in 1 2 3 4; do background s$n x.py; done; wait_for_all')
     proc = _demo(tmp_path, body, MAX_JOBS="2", PY=fake)
@@ -110,8 +110,9 @@ echo "end $name" >> "$RUNS_DIR/events"; echo "run_dir: $RUNS_DIR/$name"
 def test_a_chain_that_stops_on_an_error_stops_its_background_stages(tmp_path):
     """A stage in the foreground fails while one runs in the background: the chain exits 1 at once and the
     background stage is stopped, not left to finish and write its run after the chain said it failed."""
-    fake = stand_in_interpreter(tmp_path, name="stages", body='if [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
-                                       'sleep 2; touch "$RUNS_DIR/finished"; echo "run_dir: /r/$1"\n')
+    fake = stand_in_interpreter(tmp_path, name="stages",
+                                body='if [[ $1 == fails.py ]]; then echo "error: no"; exit 1; fi\n'
+                                     'sleep 2; touch "$RUNS_DIR/finished"; echo "run_dir: /r/$1"\n')
     body = ('mkdir -p "$RUNS_DIR"; LOGS=$RUNS_DIR/logs; mkdir -p "$LOGS"\n'
             'background slow sleeps.py\nx=$(stage fails.py)\necho "not reached"')
     proc = _demo(tmp_path, body, PY=fake)
